@@ -1,0 +1,1 @@
+"""LLM gateway package."""

@@ -1,0 +1,116 @@
+"""App factories for both planes, and the start-up/shutdown of the state they share.
+
+Two aiohttp applications, one per plane, read one :class:`GatewayState`: the data plane
+(``BIND_ADDR``) serves clients, the management plane (``MANAGEMENT_BIND_ADDR``) serves
+operators. :func:`gateway_state` builds the state in dependency order and tears it
+down in reverse (actors stop last-started first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from actors.auth import AuthActor, AuthHandle
+from actors.runtime import Supervisor
+from gateway import chat, dataplane
+from gateway.config import ConfigError, GatewayConfig, Settings
+from gateway.db import connect_pool, migrate
+from gateway.keys import KeyStore
+from gateway.middleware import error_middleware, security_headers
+from gateway.providers import Provider, build_provider
+from gateway.routing import Router
+from gateway.state import STATE, GatewayState
+from gateway.upstream import RetryPolicy
+
+__all__ = ["DATA_SERVER_OPTIONS", "build_data_app", "build_management_app", "gateway_state"]
+
+log = logging.getLogger("gateway")
+
+#: aiohttp server options of the data plane. Headers up to 32 KiB reach our own code, so
+#: an absurd Authorization header gets the contract's 401, not a bare parser error;
+#: a client that hangs up cancels its handler, and so its upstream call.
+DATA_SERVER_OPTIONS: dict[str, object] = {
+    "max_line_size": 32 * 1024, "max_field_size": 32 * 1024, "handler_cancellation": True,
+}
+
+MANAGEMENT_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; frame-ancestors 'none'",
+    "Cache-Control": "no-store",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+def _providers(config: GatewayConfig, session: aiohttp.ClientSession, settings: Settings) -> dict[str, Provider]:
+    built: dict[str, Provider] = {}
+    for name, provider_config in config.providers.items():
+        try:
+            built[name] = build_provider(provider_config, session, request_timeout=settings.request_timeout)
+        except ValueError as exc:
+            raise ConfigError(f"providers.{name}.type: {exc}") from None
+    return built
+
+
+@contextlib.asynccontextmanager
+async def gateway_state(
+    settings: Settings, config: GatewayConfig, dsn: str, *, run_migrations: bool = True
+) -> AsyncIterator[GatewayState]:
+    """Open the pool, migrate, start the actors and providers; undo it all on exit."""
+    pool = await connect_pool(dsn)
+    session: aiohttp.ClientSession | None = None
+    supervisor = Supervisor()
+    try:
+        if run_migrations:
+            async with pool.acquire() as conn:
+                await migrate(conn)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=30)
+        session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        auth_actor = AuthActor(pool, dsn)
+        auth_ref = await supervisor.start(auth_actor)
+        providers = _providers(config, session, settings)
+        yield GatewayState(
+            settings=settings,
+            config=config,
+            pool=pool,
+            dsn=dsn,
+            supervisor=supervisor,
+            auth=AuthHandle(auth_actor, auth_ref),
+            keys=KeyStore(pool),
+            router=Router(config),
+            providers=providers,
+            session=session,
+            retry_policy=RetryPolicy(max_retries=settings.upstream_max_retries),
+        )
+    finally:
+        await supervisor.stop()
+        if session is not None:
+            await session.close()
+        await pool.close()
+
+
+def build_data_app(state: GatewayState) -> web.Application:
+    """The data plane: health, readiness, chat, models, embeddings."""
+    # The body limit is enforced by our reader; aiohttp's own cap sits just above it.
+    app = web.Application(middlewares=[error_middleware], client_max_size=state.settings.body_limit + 1024)
+    app[STATE] = state
+    app.on_response_prepare.append(security_headers({}))
+    app.router.add_get("/healthz", dataplane.healthz)
+    app.router.add_get("/readyz", dataplane.readyz)
+    app.router.add_post("/v1/chat/completions", chat.chat_completions)
+    app.router.add_get("/v1/models", dataplane.list_models)
+    app.router.add_post("/v1/embeddings", dataplane.embeddings)
+    return app
+
+
+def build_management_app(state: GatewayState) -> web.Application:
+    """The management plane: health (admin routes and /metrics join it)."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=state.settings.body_limit)
+    app[STATE] = state
+    app.on_response_prepare.append(security_headers(MANAGEMENT_HEADERS))
+    app.router.add_get("/healthz", dataplane.healthz)
+    return app

@@ -1,0 +1,258 @@
+"""``POST /v1/chat/completions``: authenticate, validate, route, call, relay, record.
+
+The handler is thin: decisions come from actors (auth; limits, breakers and billing as
+they land), the provider call from :mod:`gateway.upstream`, and the relay is here:
+a whole answer is returned with the provider's status and body; a stream is relayed
+event by event as it arrives, never buffered whole. Before the first byte an error is
+contract JSON; after it, one ``data: {"error": ...}`` event and the stream ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway import fake_llm
+from gateway.errors import (
+    GatewayError,
+    InvalidRequest,
+    RequestTooLarge,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from gateway.middleware import request_id_of
+from gateway.providers.base import ProviderError, UpstreamReply, UpstreamTimeoutError
+from gateway.routing import Route, Target
+from gateway.sse import event_data
+from gateway.state import STATE, GatewayState
+from gateway.upstream import call_with_retries
+from gateway.usage import CallRecord, StreamTap, usage_from_answer
+
+__all__ = ["bearer_token", "chat_completions", "parse_chat_body", "read_json_body"]
+
+log = logging.getLogger("gateway.chat")
+
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx: do not buffer the relay
+}
+_USAGE_NULL = b',"usage":null'
+
+
+def bearer_token(request: web.Request) -> str | None:
+    """The key from ``Authorization: Bearer KEY`` or ``x-api-key: KEY``."""
+    auth = request.headers.get("Authorization")
+    if auth is not None:
+        scheme, _, token = auth.partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else None
+    return request.headers.get("x-api-key")
+
+
+async def read_json_body(request: web.Request, limit: int) -> dict[str, Any]:
+    """The request's JSON object; 413 over ``limit`` bytes, 400 if not a JSON object."""
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestTooLarge(f"request body over {limit} bytes")
+    raw = await request.content.read(limit + 1)
+    if len(raw) > limit:
+        raise RequestTooLarge(f"request body over {limit} bytes")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def parse_chat_body(body: dict[str, Any]) -> tuple[str, bool]:
+    """Validate the three fields the gateway reads; everything else passes through."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise InvalidRequest("'model' must be a non-empty string", code="invalid_model")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty list", code="invalid_messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(f"messages[{i}] must be an object with a string 'role'", code="invalid_messages")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", code="invalid_stream")
+    return model, stream
+
+
+def _wants_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    key = await state.auth.authenticate(bearer_token(request))
+    body = await read_json_body(request, state.settings.body_limit)
+    model, stream = parse_chat_body(body)
+    route = state.router.resolve(model, key.policy.allowed_models)
+    record = CallRecord(
+        request_id=request_id_of(request),
+        api_key_id=key.api_key_id,
+        subject_id=key.subject_id,
+        requested_model=model,
+        stream=stream,
+    )
+    started = time.monotonic()
+    try:
+        if stream:
+            return await _stream(request, state, route, body, record, started)
+        return await _whole(state, route, body, record)
+    except asyncio.CancelledError:
+        record.outcome = "cancelled"
+        record.status = record.status or 499
+        raise
+    except GatewayError as exc:
+        record.status = exc.status
+        record.outcome = record.outcome if record.outcome != "ok" else "upstream_error"
+        record.error_type = exc.error_code
+        raise
+    finally:
+        record.latency = time.monotonic() - started
+        _finish(state, record)
+
+
+def _finish(state: GatewayState, record: CallRecord) -> None:
+    for listener in state.call_listeners:
+        try:
+            listener(record)
+        except Exception:  # a listener must never fail the request it observes
+            log.exception("call listener failed for %s", record.request_id)
+
+
+async def _call(
+    state: GatewayState, route: Route, body: dict[str, Any], record: CallRecord, *, stream: bool
+) -> tuple[Target, UpstreamReply]:
+    """Try the route's targets in order; the first reply that is not a failure wins."""
+    last_error: ProviderError | None = None
+    last_reply: UpstreamReply | None = None
+    for index, target in enumerate(route.targets):
+        provider = state.providers[target.provider]
+        upstream_body = body if body.get("model") == target.upstream_model else {**body, "model": target.upstream_model}
+        record.provider, record.deployment = target.provider, target.deployment.id
+        record.failovers = index
+
+        def count_retry(_attempt: int, _reason: str) -> None:
+            record.retries += 1
+
+        try:
+            reply = await call_with_retries(
+                provider, upstream_body, stream=stream, headers={},
+                policy=state.retry_policy, on_retry=count_retry,
+            )
+        except ProviderError as exc:
+            last_error, last_reply = exc, None
+            continue
+        if reply.status >= 500 and index + 1 < len(route.targets):
+            await reply.release()
+            last_reply = reply
+            continue
+        return target, reply
+    if last_reply is not None:
+        return route.targets[-1], last_reply
+    if isinstance(last_error, UpstreamTimeoutError):
+        raise UpstreamTimeout(f"upstream timed out after {record.retries} retries")
+    raise UpstreamUnavailable(f"upstream unavailable: {last_error}")
+
+
+async def _whole(
+    state: GatewayState, route: Route, body: dict[str, Any], record: CallRecord
+) -> web.Response:
+    target, reply = await _call(state, route, body, record, stream=False)
+    record.status = reply.status
+    record.served_model = target.upstream_model
+    usage, answer = usage_from_answer(reply.body)
+    record.usage = usage
+    if answer is not None:
+        record.response_id = answer.get("id")
+        record.served_model = answer.get("model") or target.upstream_model
+        choices = answer.get("choices")
+        if isinstance(choices, list):
+            record.finish_reasons = tuple(
+                c["finish_reason"] for c in choices if isinstance(c, dict) and isinstance(c.get("finish_reason"), str)
+            )
+    if not reply.ok:
+        record.outcome = "provider_error"
+    return web.Response(
+        status=reply.status,
+        body=reply.body,
+        headers={"Content-Type": reply.headers.get("Content-Type", "application/json")},
+    )
+
+
+async def _stream(
+    request: web.Request,
+    state: GatewayState,
+    route: Route,
+    body: dict[str, Any],
+    record: CallRecord,
+    started: float,
+) -> web.StreamResponse:
+    client_wants_usage = _wants_usage(body)
+    if not client_wants_usage:
+        # Ask for usage anyway so the ledger is exact; the client never sees it.
+        options = body.get("stream_options")
+        body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
+    target, reply = await _call(state, route, body, record, stream=True)
+    record.status = reply.status
+    record.served_model = target.upstream_model
+    if reply.events is None:
+        # The provider answered an error (or a whole body) instead of a stream: relay it.
+        if not reply.ok:
+            record.outcome = "provider_error"
+        return web.Response(
+            status=reply.status,
+            body=reply.body,
+            headers={"Content-Type": reply.headers.get("Content-Type", "application/json")},
+        )
+    tap = StreamTap(client_wants_usage=client_wants_usage)
+    strip_usage_null = not client_wants_usage
+    response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+    try:
+        await response.prepare(request)
+        async for event in reply.events:
+            data = event_data(event)
+            if data is not None and not tap.inspect(data):
+                continue
+            if strip_usage_null and _USAGE_NULL in event:
+                event = event.replace(_USAGE_NULL, b"")
+            await response.write(event)
+        if not tap.done:
+            raise _StreamCut("upstream closed the stream before [DONE]")
+    except (ProviderError, _StreamCut) as exc:
+        record.outcome = "cut"
+        record.error_type = type(exc).__name__
+        error = UpstreamTimeout("upstream went silent mid-stream") if isinstance(
+            exc, UpstreamTimeoutError
+        ) else UpstreamUnavailable(f"upstream stream failed: {exc}")
+        try:
+            await response.write(error.to_event())
+        except ConnectionError:
+            pass
+    except ConnectionError:
+        record.outcome = "cancelled"  # the client went away mid-write
+    finally:
+        await reply.release()
+        if tap.first_chunk_at is not None:
+            record.ttft = tap.first_chunk_at - started
+        record.response_id = tap.response_id
+        record.served_model = tap.response_model or record.served_model
+        record.finish_reasons = tuple(tap.finish_reasons)
+        record.usage = tap.final_usage(fake_llm.prompt_tokens(body.get("messages") or []))
+    return response
+
+
+class _StreamCut(Exception):
+    """The provider ended the stream without ``[DONE]``."""

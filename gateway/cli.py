@@ -1,0 +1,233 @@
+"""The ``llm-gateway`` command: serve, migrate, keys (usage joins with the ledger).
+
+Every command reads ``DATABASE_URL``; an expected failure (bad input, unreachable
+database, bad configuration) prints one line to stderr and exits non-zero, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import timedelta
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import asyncpg
+
+from gateway.config import ConfigError, Settings, load_config, load_settings
+from gateway.db import DatabaseUnavailable, EmbeddedUnavailable, connect_pool, migrate
+from gateway.keys import KeyNotFound, KeyPolicy, KeyRecord, KeyStore
+from gateway.server import resolve_database_url, run, serve
+
+__all__ = ["main"]
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+class CommandError(Exception):
+    """An expected failure: its message is the one line the user sees."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _budget(text: str) -> Decimal:
+    try:
+        value = Decimal(text)
+    except InvalidOperation:
+        raise argparse.ArgumentTypeError(f"expected an amount in USD, got {text!r}") from None
+    if not value.is_finite() or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative amount, got {text!r}")
+    return value
+
+
+def _uuid(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a UUID, got {text!r}") from None
+
+
+def _models(text: str) -> tuple[str, ...]:
+    models = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not models:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of model names")
+    return models
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llm-gateway", description="An OpenAI-compatible LLM gateway.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve_cmd = commands.add_parser("serve", help="apply migrations, then serve both planes")
+    serve_cmd.add_argument("--no-migrate", action="store_true", help="skip migrations (run them as a release step)")
+    serve_cmd.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"),
+                           choices=["debug", "info", "warning", "error"])
+
+    commands.add_parser("migrate", help="apply sql/*.sql once each, in name order")
+
+    keys = commands.add_parser("keys", help="create, list, revoke and rotate gateway keys")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
+    create = key_commands.add_parser("create", help="create a key and print it once")
+    create.add_argument("--name", required=True)
+    create.add_argument("--subject", type=_uuid, help="subject (tenant) UUID; new if omitted")
+    create.add_argument("--rpm", type=_positive_int, default=60, help="requests per window (default 60)")
+    create.add_argument("--window-seconds", type=_positive_int, default=60, help="window length (default 60)")
+    create.add_argument("--tpm", type=_positive_int, help="tokens per minute")
+    create.add_argument("--max-concurrent", type=_positive_int, help="concurrent requests in flight")
+    create.add_argument("--budget-usd", type=_budget, help="spend cap in USD per period")
+    create.add_argument("--budget-period", choices=["day", "month", "total"], help="budget period (default month)")
+    create.add_argument("--models", type=_models, help="comma-separated allowlist of model names (wildcards ok)")
+    create.add_argument("--expires-in-days", type=_positive_int)
+    create.add_argument("--json", action="store_true")
+    listing = key_commands.add_parser("list", help="list keys (never a hash or raw key)")
+    listing.add_argument("--json", action="store_true")
+    revoke = key_commands.add_parser("revoke", help="revoke a key by id or prefix")
+    revoke.add_argument("key")
+    rotate = key_commands.add_parser("rotate", help="issue a new key with the same subject and limits")
+    rotate.add_argument("key")
+    rotate.add_argument("--json", action="store_true")
+    return parser
+
+
+async def _with_store(settings: Settings, action: Callable[[KeyStore], Awaitable[int]]) -> int:
+    dsn, _embedded = resolve_database_url(settings)
+    pool = await connect_pool(dsn, min_size=1, max_size=2)
+    try:
+        async with pool.acquire() as conn:
+            await migrate(conn)
+        return await action(KeyStore(pool))
+    finally:
+        await pool.close()
+
+
+def _print_key(raw: str, record: KeyRecord, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"api_key": raw, **record.to_json()}))
+        return
+    print(raw)
+    print(f"  id {record.api_key_id}  prefix {record.key_prefix}  subject {record.subject_id}", file=sys.stderr)
+    print("  store it now: it is not shown again", file=sys.stderr)
+
+
+def _key_table(records: list[KeyRecord]) -> str:
+    header = f"{'ID':36}  {'PREFIX':12}  {'STATE':8}  {'RPM/WINDOW':>11}  NAME"
+    lines = [header]
+    for r in records:
+        p = r.policy
+        lines.append(
+            f"{r.api_key_id!s:36}  {r.key_prefix:12}  {r.state:8}  "
+            f"{p.rate_limit_requests:>5}/{p.rate_limit_window_seconds:<5}  {r.name}"
+        )
+    return "\n".join(lines)
+
+
+async def _keys(args: argparse.Namespace, settings: Settings) -> int:
+    async def act(store: KeyStore) -> int:
+        if args.keys_command == "create":
+            try:
+                policy = KeyPolicy(
+                    rate_limit_requests=args.rpm,
+                    rate_limit_window_seconds=args.window_seconds,
+                    tokens_per_minute=args.tpm,
+                    max_concurrent=args.max_concurrent,
+                    budget_usd=args.budget_usd,
+                    budget_period=args.budget_period or ("month" if args.budget_usd is not None else None),
+                    allowed_models=args.models,
+                )
+                raw, record = await store.create(
+                    args.name, subject_id=args.subject, policy=policy,
+                    expires_in=timedelta(days=args.expires_in_days) if args.expires_in_days else None,
+                )
+            except ValueError as exc:
+                raise CommandError(str(exc)) from None
+            _print_key(raw, record, args.json)
+        elif args.keys_command == "list":
+            records = await store.list()
+            print(json.dumps([r.to_json() for r in records]) if args.json else _key_table(records))
+        elif args.keys_command == "revoke":
+            record = await store.revoke(args.key)
+            print(f"revoked {record.api_key_id} ({record.key_prefix})")
+        elif args.keys_command == "rotate":
+            try:
+                raw, record = await store.rotate(args.key)
+            except ValueError as exc:
+                raise CommandError(str(exc)) from None
+            _print_key(raw, record, args.json)
+        return 0
+
+    return await _with_store(settings, act)
+
+
+async def _migrate(settings: Settings) -> int:
+    dsn, _ = resolve_database_url(settings)
+    pool = await connect_pool(dsn, min_size=1, max_size=1)
+    try:
+        async with pool.acquire() as conn:
+            applied = await migrate(conn)
+    finally:
+        await pool.close()
+    print(f"applied {len(applied)} migration(s)" + (": " + ", ".join(applied) if applied else ""))
+    return 0
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_settings()
+        if args.command == "serve":
+            _configure_logging(args.log_level)
+            config = load_config(settings)
+            dsn, embedded = resolve_database_url(settings)
+            run(serve(settings, config, dsn, embedded=embedded, migrate=not args.no_migrate))
+            return 0
+        _configure_logging("warning")
+        if args.command == "migrate":
+            return run(_migrate(settings))
+        if args.command == "keys":
+            return run(_keys(args, settings))
+    except ConfigError as exc:
+        print(f"llm-gateway: configuration error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (DatabaseUnavailable, EmbeddedUnavailable) as exc:
+        print(f"llm-gateway: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyNotFound as exc:
+        print(f"llm-gateway: no key with id or prefix {exc.args[0]!r}", file=sys.stderr)
+        return EXIT_FAILURE
+    except CommandError as exc:
+        print(f"llm-gateway: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except asyncpg.PostgresError as exc:
+        print(f"llm-gateway: database error: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as exc:
+        print(f"llm-gateway: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130
+    return EXIT_USAGE
+
+

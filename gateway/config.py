@@ -1,0 +1,443 @@
+"""Settings from the environment (contract §3) and the YAML config file (contract §4).
+
+Both are parsed once at start-up into frozen dataclasses. Every problem raises
+:class:`ConfigError` with one line naming the variable or the path of the bad entry, so
+``serve`` can print it and exit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "BreakerSettings",
+    "ConfigError",
+    "Deployment",
+    "GatewayConfig",
+    "ModelGroup",
+    "Price",
+    "ProviderConfig",
+    "RateLimitSettings",
+    "Settings",
+    "load_config",
+    "load_settings",
+]
+
+DEFAULT_VENICE_BASE_URL = "https://api.venice.ai/api/v1"
+PROVIDER_TYPES = ("openai", "anthropic", "mock")
+STRATEGIES = ("priority", "weighted", "least-latency", "least-cost")
+
+
+class ConfigError(ValueError):
+    """A setting is missing or wrong; the message is one line for the operator."""
+
+
+# --------------------------------------------------------------------------- environment
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Everything read from the environment, validated."""
+
+    bind_host: str = "0.0.0.0"
+    bind_port: int = 3000
+    management_host: str = "127.0.0.1"
+    management_port: int = 3001
+    database_url: str | None = None
+    redis_url: str | None = None
+    config_path: Path | None = None
+    venice_api_key: str | None = None
+    venice_base_url: str = DEFAULT_VENICE_BASE_URL
+    admin_token: str | None = None
+    request_timeout: float = 120.0
+    body_limit: int = 1_048_576
+    upstream_max_retries: int = 2
+    capture_genai_content: bool = False
+    otel_service_name: str = "llm-gateway"
+    otel_endpoint: str | None = None
+    shutdown_grace: float = 30.0
+    cors_origins: tuple[str, ...] = ("*",)
+    management_cors_origins: tuple[str, ...] = ()
+    home: Path = field(default_factory=lambda: Path("~/.local/share/llm-gateway").expanduser())
+
+
+def _env(environ: Mapping[str, str], name: str) -> str | None:
+    """``NAME`` from the environment, or the contents of the file named by ``NAME_FILE``."""
+    value = environ.get(name)
+    if value not in (None, ""):
+        return value
+    path = environ.get(f"{name}_FILE")
+    if path:
+        try:
+            return Path(path).read_text().strip() or None
+        except OSError as exc:
+            raise ConfigError(f"{name}_FILE: cannot read {path}: {exc.strerror}") from None
+    return None
+
+
+def _addr(environ: Mapping[str, str], name: str, default: str) -> tuple[str, int]:
+    raw = environ.get(name) or default
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{name}: expected HOST:PORT, got {raw!r}")
+    return host.strip("[]"), int(port)
+
+
+def _number(environ: Mapping[str, str], name: str, default: float, *, integer: bool, minimum: float) -> Any:
+    raw = environ.get(name)
+    if raw in (None, ""):
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        kind = "a whole number" if integer else "a number"
+        raise ConfigError(f"{name}: expected {kind} >= {minimum:g}, got {raw!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{name}: expected a value >= {minimum:g}, got {raw!r}")
+    return value
+
+
+def _bool(environ: Mapping[str, str], name: str) -> bool:
+    raw = (environ.get(name) or "false").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name}: expected true or false, got {raw!r}")
+
+
+def _origins(environ: Mapping[str, str], name: str, default: str) -> tuple[str, ...]:
+    raw = environ.get(name, default)
+    return tuple(o.strip() for o in raw.split(",") if o.strip())
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Read and validate the environment; raises ConfigError naming the variable."""
+    env = os.environ if environ is None else environ
+    bind_host, bind_port = _addr(env, "BIND_ADDR", "0.0.0.0:3000")
+    mgmt_host, mgmt_port = _addr(env, "MANAGEMENT_BIND_ADDR", "127.0.0.1:3001")
+    config_raw = env.get("GATEWAY_CONFIG")
+    config_path: Path | None
+    if config_raw:
+        config_path = Path(config_raw)
+        if not config_path.is_file():
+            raise ConfigError(f"GATEWAY_CONFIG: no such file {config_raw!r}")
+    else:
+        default = Path("conf/gateway.yaml")
+        config_path = default if default.is_file() else None
+    retries_raw = env.get("UPSTREAM_MAX_RETRIES") or env.get("VENICE_MAX_RETRIES")
+    retries_name = "UPSTREAM_MAX_RETRIES" if env.get("UPSTREAM_MAX_RETRIES") else "VENICE_MAX_RETRIES"
+    management_cors = _origins(env, "MANAGEMENT_CORS_ORIGINS", "")
+    if "*" in management_cors:
+        raise ConfigError("MANAGEMENT_CORS_ORIGINS: '*' is refused on the management plane; list origins")
+    database_url = _env(env, "DATABASE_URL")
+    if database_url and not database_url.startswith(("postgres://", "postgresql://")):
+        raise ConfigError("DATABASE_URL: expected a postgresql:// URL")
+    redis_url = env.get("REDIS_URL") or None
+    if redis_url and not redis_url.startswith(("redis://", "rediss://", "unix://")):
+        raise ConfigError("REDIS_URL: expected a redis:// URL")
+    home_raw = env.get("LLM_GATEWAY_HOME")
+    return Settings(
+        bind_host=bind_host,
+        bind_port=bind_port,
+        management_host=mgmt_host,
+        management_port=mgmt_port,
+        database_url=database_url,
+        redis_url=redis_url,
+        config_path=config_path,
+        venice_api_key=_env(env, "VENICE_API_KEY"),
+        venice_base_url=env.get("VENICE_BASE_URL") or DEFAULT_VENICE_BASE_URL,
+        admin_token=_env(env, "ADMIN_TOKEN"),
+        request_timeout=_number(env, "REQUEST_TIMEOUT_SECONDS", 120.0, integer=False, minimum=0.001),
+        body_limit=_number(env, "REQUEST_BODY_LIMIT_BYTES", 1_048_576, integer=True, minimum=1),
+        upstream_max_retries=_number(
+            {retries_name: retries_raw or ""}, retries_name, 2, integer=True, minimum=0
+        ),
+        capture_genai_content=_bool(env, "CAPTURE_GENAI_CONTENT"),
+        otel_service_name=env.get("OTEL_SERVICE_NAME") or "llm-gateway",
+        otel_endpoint=env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None,
+        shutdown_grace=_number(env, "SHUTDOWN_GRACE_SECONDS", 30.0, integer=False, minimum=0),
+        cors_origins=_origins(env, "CORS_ALLOWED_ORIGINS", "*"),
+        management_cors_origins=management_cors,
+        home=Path(home_raw).expanduser() if home_raw else Settings().home,
+    )
+
+
+# --------------------------------------------------------------------------- config file
+@dataclass(frozen=True, slots=True)
+class Price:
+    """USD per million tokens."""
+
+    input_per_mtok: float = 0.0
+    output_per_mtok: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ProviderConfig:
+    """One upstream account: how to reach it and how patient to be with it."""
+
+    name: str
+    type: str
+    base_url: str = ""
+    api_key: str | None = None
+    connect_timeout: float = 10.0
+    #: Whole non-streaming call; ``None`` means REQUEST_TIMEOUT_SECONDS.
+    timeout: float | None = None
+    #: Longest silence between two chunks of a stream; ``None`` means the request timeout.
+    idle_timeout: float | None = None
+    max_retries: int | None = None
+    #: May a call that timed out after it was sent be sent again (it may have been billed)?
+    retry_on_timeout: bool = True
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """One place a model group can be served: a provider and its model name."""
+
+    provider: str
+    model: str
+    priority: int = 0
+    weight: float = 1.0
+    price: Price | None = None
+
+    @property
+    def id(self) -> str:
+        """Stable, bounded identifier used in metrics and the breaker."""
+        return f"{self.provider}/{self.model}"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelGroup:
+    """A client-facing model name and where it may be served."""
+
+    name: str
+    deployments: tuple[Deployment, ...]
+    strategy: str = "priority"
+    fallbacks: tuple[str, ...] = ()
+
+    @property
+    def is_wildcard(self) -> bool:
+        return self.name.endswith("*")
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerSettings:
+    fail_max: int = 3
+    reset_timeout: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitSettings:
+    storage: str | None = None
+    per_ip: str = "100/second"
+    strategy: str = "sliding-window"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Providers, model groups, breaker and limiter settings."""
+
+    providers: Mapping[str, ProviderConfig]
+    models: tuple[ModelGroup, ...]
+    circuit_breaker: BreakerSettings = BreakerSettings()
+    rate_limits: RateLimitSettings = RateLimitSettings()
+
+
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _interpolate(value: Any, environ: Mapping[str, str], path: str) -> Any:
+    if isinstance(value, str):
+
+        def sub(m: re.Match[str]) -> str:
+            name = m.group(1)
+            found = _env(environ, name)
+            if found is None:
+                raise ConfigError(f"{path}: environment variable {name} is not set")
+            return found
+
+        return _VAR.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: _interpolate(v, environ, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_interpolate(v, environ, f"{path}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+class _Section:
+    """Reads one mapping of the config file, refusing unknown keys by path."""
+
+    def __init__(self, raw: Any, path: str, allowed: tuple[str, ...]) -> None:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping")
+        unknown = sorted(set(raw) - set(allowed))
+        if unknown:
+            raise ConfigError(f"{path}.{unknown[0]}: unknown key (allowed: {', '.join(allowed)})")
+        self.raw = raw
+        self.path = path
+
+    def text(self, key: str, default: str | None = None, *, required: bool = False) -> Any:
+        value = self.raw.get(key, default)
+        if value is None:
+            if required:
+                raise ConfigError(f"{self.path}.{key}: required")
+            return None
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{self.path}.{key}: expected a non-empty string")
+        return value
+
+    def num(self, key: str, default: Any, *, minimum: float = 0, integer: bool = False) -> Any:
+        value = self.raw.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float) or (integer and not isinstance(value, int)):
+            raise ConfigError(f"{self.path}.{key}: expected a {'whole ' if integer else ''}number")
+        if value < minimum:
+            raise ConfigError(f"{self.path}.{key}: expected a value >= {minimum:g}")
+        return value
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.raw.get(key, default)
+        if not isinstance(value, bool):
+            raise ConfigError(f"{self.path}.{key}: expected true or false")
+        return value
+
+    def choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
+        value = self.raw.get(key, default)
+        if value not in choices:
+            raise ConfigError(f"{self.path}.{key}: expected one of {', '.join(choices)}")
+        return str(value)
+
+
+def _provider(name: str, raw: Any, settings: Settings) -> ProviderConfig:
+    s = _Section(
+        raw,
+        f"providers.{name}",
+        ("type", "base_url", "api_key", "connect_timeout_seconds", "timeout_seconds",
+         "idle_timeout_seconds", "max_retries", "retry_on_timeout", "headers"),
+    )
+    type_ = s.choice("type", "openai", PROVIDER_TYPES)
+    base_url = s.text("base_url", "https://api.anthropic.com" if type_ == "anthropic" else None)
+    if type_ != "mock" and not base_url:
+        raise ConfigError(f"providers.{name}.base_url: required for type {type_}")
+    if base_url and not base_url.startswith(("http://", "https://")):
+        raise ConfigError(f"providers.{name}.base_url: expected an http(s) URL")
+    headers_raw = raw.get("headers", {}) or {}
+    if not isinstance(headers_raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in headers_raw.items()
+    ):
+        raise ConfigError(f"providers.{name}.headers: expected a mapping of strings")
+    return ProviderConfig(
+        name=name,
+        type=type_,
+        base_url=(base_url or "").rstrip("/"),
+        api_key=s.text("api_key"),
+        connect_timeout=s.num("connect_timeout_seconds", 10.0, minimum=0.001),
+        timeout=s.num("timeout_seconds", None, minimum=0.001),
+        idle_timeout=s.num("idle_timeout_seconds", None, minimum=0.001),
+        max_retries=s.num("max_retries", None, integer=True),
+        retry_on_timeout=s.flag("retry_on_timeout", True),
+        headers=tuple(headers_raw.items()),
+    )
+
+
+def _deployment(raw: Any, path: str, providers: Mapping[str, ProviderConfig]) -> Deployment:
+    s = _Section(raw, path, ("provider", "model", "priority", "weight", "price"))
+    provider = s.text("provider", required=True)
+    if provider not in providers:
+        raise ConfigError(f"{path}.provider: unknown provider {provider!r}")
+    price = None
+    if "price" in raw:
+        p = _Section(raw["price"], f"{path}.price", ("input_per_mtok", "output_per_mtok"))
+        price = Price(p.num("input_per_mtok", 0.0), p.num("output_per_mtok", 0.0))
+    return Deployment(
+        provider=provider,
+        model=s.text("model", required=True),
+        priority=s.num("priority", 0, integer=True, minimum=-(2**31)),
+        weight=float(s.num("weight", 1.0)),
+        price=price,
+    )
+
+
+def _model_group(raw: Any, path: str, providers: Mapping[str, ProviderConfig]) -> ModelGroup:
+    s = _Section(raw, path, ("name", "strategy", "deployments", "fallbacks"))
+    name = s.text("name", required=True)
+    if "*" in name[:-1]:
+        raise ConfigError(f"{path}.name: '*' may only end a name ('venice/*' or '*')")
+    deployments_raw = raw.get("deployments")
+    if not isinstance(deployments_raw, list) or not deployments_raw:
+        raise ConfigError(f"{path}.deployments: expected a non-empty list")
+    fallbacks = raw.get("fallbacks", []) or []
+    if not isinstance(fallbacks, list) or not all(isinstance(f, str) for f in fallbacks):
+        raise ConfigError(f"{path}.fallbacks: expected a list of model names")
+    return ModelGroup(
+        name=name,
+        strategy=s.choice("strategy", "priority", STRATEGIES),
+        deployments=tuple(
+            _deployment(d, f"{path}.deployments[{i}]", providers) for i, d in enumerate(deployments_raw)
+        ),
+        fallbacks=tuple(fallbacks),
+    )
+
+
+def default_config(settings: Settings) -> GatewayConfig:
+    """No config file: Venice with every model passed through if keyed, else the mock."""
+    if settings.venice_api_key:
+        provider = ProviderConfig(
+            name="venice", type="openai", base_url=settings.venice_base_url.rstrip("/"),
+            api_key=settings.venice_api_key,
+        )
+    else:
+        provider = ProviderConfig(name="mock", type="mock")
+    group = ModelGroup(name="*", deployments=(Deployment(provider=provider.name, model="*"),))
+    return GatewayConfig(providers={provider.name: provider}, models=(group,))
+
+
+def load_config(settings: Settings, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """Parse ``settings.config_path`` (or the no-config default) into a GatewayConfig."""
+    if settings.config_path is None:
+        return default_config(settings)
+    env = os.environ if environ is None else environ
+    try:
+        raw = yaml.safe_load(settings.config_path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{settings.config_path}: {first}") from None
+    raw = _interpolate(raw, env, "config")
+    top = _Section(raw, "config", ("providers", "models", "circuit_breaker", "rate_limits"))
+    providers_raw = top.raw.get("providers") or {}
+    if not isinstance(providers_raw, dict) or not providers_raw:
+        raise ConfigError("providers: expected a non-empty mapping")
+    providers = {name: _provider(name, p, settings) for name, p in providers_raw.items()}
+    models_raw = top.raw.get("models") or []
+    if not isinstance(models_raw, list) or not models_raw:
+        raise ConfigError("models: expected a non-empty list")
+    models = tuple(_model_group(m, f"models[{i}]", providers) for i, m in enumerate(models_raw))
+    names = [m.name for m in models]
+    for i, m in enumerate(models):
+        if names.count(m.name) > 1:
+            raise ConfigError(f"models[{i}].name: {m.name!r} is defined twice")
+        for f in m.fallbacks:
+            if f not in names:
+                raise ConfigError(f"models[{i}].fallbacks: unknown model {f!r}")
+    cb = _Section(top.raw.get("circuit_breaker") or {}, "circuit_breaker", ("fail_max", "reset_timeout_seconds"))
+    rl = _Section(top.raw.get("rate_limits") or {}, "rate_limits", ("storage", "per_ip", "strategy"))
+    return GatewayConfig(
+        providers=providers,
+        models=models,
+        circuit_breaker=BreakerSettings(
+            fail_max=cb.num("fail_max", 3, integer=True, minimum=1),
+            reset_timeout=float(cb.num("reset_timeout_seconds", 60.0, minimum=0.001)),
+        ),
+        rate_limits=RateLimitSettings(
+            storage=rl.text("storage"),
+            per_ip=rl.text("per_ip", "100/second"),
+            strategy=rl.choice("strategy", "sliding-window", ("sliding-window", "fixed-window")),
+        ),
+    )

@@ -1,0 +1,80 @@
+"""The data plane's routes other than chat: health, readiness, models, embeddings."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+from aiohttp import web
+
+from gateway.chat import bearer_token, read_json_body
+from gateway.errors import InvalidRequest, UpstreamTimeout, UpstreamUnavailable
+from gateway.providers.base import ProviderError, UpstreamTimeoutError
+from gateway.state import STATE
+
+__all__ = ["embeddings", "healthz", "list_models", "readyz"]
+
+_OK = orjson.dumps({"status": "ok"})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Alive while the process runs; never touches a dependency."""
+    return web.Response(body=_OK, content_type="application/json")
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready when the database answers and every actor runs; else 503 with what is wrong."""
+    state = request.app[STATE]
+    problems: dict[str, str] = {}
+    if state.draining:
+        problems["server"] = "shutting down"
+    try:
+        async with asyncio.timeout(1.0):
+            await state.pool.fetchval("SELECT 1")
+    except Exception as exc:  # noqa: BLE001 - any failure means "not ready"
+        problems["database"] = f"unreachable: {type(exc).__name__}"
+    for name in state.supervisor.not_running():
+        problems[f"actor:{name}"] = "not running"
+    if not state.auth.listening:
+        problems["key_invalidation"] = "not listening for key changes"
+    body = {"status": "ok" if not problems else "unavailable", "checks": problems}
+    return web.Response(status=200 if not problems else 503, body=orjson.dumps(body), content_type="application/json")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """The model names this key may use, in OpenAI's list shape."""
+    state = request.app[STATE]
+    key = await state.auth.authenticate(bearer_token(request))
+    created = int(time.time())
+    data = [
+        {"id": name, "object": "model", "created": created, "owned_by": "llm-gateway"}
+        for name in state.router.listable(key.policy.allowed_models)
+    ]
+    return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """Proxied to the first deployment of the model's route that serves embeddings."""
+    state = request.app[STATE]
+    key = await state.auth.authenticate(bearer_token(request))
+    body = await read_json_body(request, state.settings.body_limit)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' must be a non-empty string", code="invalid_model")
+    if "input" not in body:
+        raise InvalidRequest("'input' is required", code="invalid_input")
+    route = state.router.resolve(model, key.policy.allowed_models)
+    target = route.targets[0]
+    provider = state.providers[target.provider]
+    try:
+        reply = await provider.embeddings({**body, "model": target.upstream_model}, headers={})
+    except UpstreamTimeoutError:
+        raise UpstreamTimeout() from None
+    except ProviderError as exc:
+        raise UpstreamUnavailable(f"upstream unavailable: {exc}") from None
+    return web.Response(
+        status=reply.status,
+        body=reply.body,
+        headers={"Content-Type": reply.headers.get("Content-Type", "application/json")},
+    )

@@ -1,0 +1,195 @@
+"""The gateway's own errors, one class per row of the contract's error table.
+
+    GatewayError                    any error the gateway answers itself
+    ├── InvalidRequest              400 invalid_request_error (code varies)
+    ├── RequestTooLarge             413 request_too_large
+    ├── AuthenticationFailed        401 invalid_api_key
+    ├── BudgetExceeded              402 budget_exceeded
+    ├── ModelNotAllowed             403 model_not_allowed
+    ├── ModelNotFound               404 model_not_found
+    ├── RateLimited                 429 rate_limit_exceeded (Retry-After)
+    ├── UpstreamUnavailable         502 upstream_unavailable
+    ├── ServiceUnavailable          503 (Retry-After)
+    │   ├── CircuitOpen             503 circuit_open
+    │   └── Overloaded              503 overloaded
+    └── UpstreamTimeout             504 upstream_timeout
+
+Every one renders to ``{"error": {"message", "type", "code"}}`` in one place:
+:meth:`GatewayError.to_response`. An error answered by a provider is not a
+GatewayError: it is relayed with its own status and body.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import orjson
+from aiohttp import web
+
+__all__ = [
+    "AuthenticationFailed",
+    "BudgetExceeded",
+    "CircuitOpen",
+    "GatewayError",
+    "InvalidRequest",
+    "ModelNotAllowed",
+    "ModelNotFound",
+    "Overloaded",
+    "RateLimited",
+    "RequestTooLarge",
+    "ServiceUnavailable",
+    "UpstreamTimeout",
+    "UpstreamUnavailable",
+    "error_body",
+]
+
+
+def error_body(message: str, type_: str, code: str | None) -> bytes:
+    """The contract's error JSON, encoded."""
+    return orjson.dumps({"error": {"message": message, "type": type_, "code": code}})
+
+
+class GatewayError(Exception):
+    """An error the gateway answers itself, in the OpenAI error shape."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "server_error"
+    code: ClassVar[str | None] = None
+    default_message: ClassVar[str] = "internal error"
+
+    def __init__(
+        self,
+        message: str | None = None,
+        *,
+        code: str | None = None,
+        retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.message = message or self.default_message
+        self.error_code = code if code is not None else self.code
+        self.retry_after = retry_after
+        self.headers = headers or {}
+        super().__init__(self.message)
+
+    def to_response(self) -> web.Response:
+        """Render this error; ``Retry-After`` is whole seconds and never 0."""
+        headers = dict(self.headers)
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        return web.Response(
+            status=self.status,
+            body=error_body(self.message, self.type, self.error_code),
+            content_type="application/json",
+            headers=headers,
+        )
+
+    def to_event(self) -> bytes:
+        """Render as the one SSE error event sent after a stream has started."""
+        return b"data: " + orjson.dumps(
+            {"error": {"message": self.message, "type": self.type, "code": self.error_code}}
+        ) + b"\n\n"
+
+
+class InvalidRequest(GatewayError):
+    """The request body is malformed; ``code`` says how."""
+
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+    default_message = "invalid request"
+
+
+class RequestTooLarge(GatewayError):
+    """The body is over ``REQUEST_BODY_LIMIT_BYTES``."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+    default_message = "request body too large"
+
+
+class AuthenticationFailed(GatewayError):
+    """Missing, malformed, unknown, revoked or expired key: one message for all."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_api_key"
+    default_message = "invalid API key"
+
+
+class BudgetExceeded(GatewayError):
+    """The key's or subject's budget for the period is spent."""
+
+    status = 402
+    type = "insufficient_quota"
+    code = "budget_exceeded"
+    default_message = "budget exceeded"
+
+
+class ModelNotAllowed(GatewayError):
+    """The model is outside the key's allowlist."""
+
+    status = 403
+    type = "permission_error"
+    code = "model_not_allowed"
+    default_message = "model not allowed for this key"
+
+
+class ModelNotFound(GatewayError):
+    """No route matches the requested model."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+    default_message = "model not found"
+
+
+class RateLimited(GatewayError):
+    """A rate limit or quota is hit; the client may retry after ``retry_after``."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "rate_limit_exceeded"
+    default_message = "rate limit exceeded"
+
+
+class UpstreamUnavailable(GatewayError):
+    """The provider could not be reached, after retries."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_unavailable"
+    default_message = "upstream unavailable"
+
+
+class UpstreamTimeout(GatewayError):
+    """The provider took longer than its timeout."""
+
+    status = 504
+    type = "timeout_error"
+    code = "upstream_timeout"
+    default_message = "upstream timed out"
+
+
+class ServiceUnavailable(GatewayError):
+    """The gateway cannot take this request now; try again after ``retry_after``."""
+
+    status = 503
+    type = "service_unavailable"
+    code = "service_unavailable"
+    default_message = "service unavailable"
+
+
+class CircuitOpen(ServiceUnavailable):
+    """Every deployment of the model is unhealthy (circuit open)."""
+
+    code = "circuit_open"
+    default_message = "no healthy deployment for this model"
+
+
+class Overloaded(ServiceUnavailable):
+    """An actor's mailbox is full: the gateway sheds load rather than queueing."""
+
+    code = "overloaded"
+    default_message = "gateway overloaded"

@@ -1,0 +1,40 @@
+"""Providers: one module per upstream wire, built from the config by :func:`build_provider`."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from gateway.config import ProviderConfig
+from gateway.providers.base import (
+    Provider,
+    ProviderError,
+    UpstreamConnectError,
+    UpstreamProtocolError,
+    UpstreamReply,
+    UpstreamTimeoutError,
+)
+
+__all__ = [
+    "Provider",
+    "ProviderError",
+    "UpstreamConnectError",
+    "UpstreamProtocolError",
+    "UpstreamReply",
+    "UpstreamTimeoutError",
+    "build_provider",
+]
+
+
+def build_provider(
+    config: ProviderConfig, session: aiohttp.ClientSession, *, request_timeout: float
+) -> Provider:
+    """The provider for ``config.type`` (openai | anthropic | mock)."""
+    if config.type == "mock":
+        from gateway.providers.mock import MockProvider
+
+        return MockProvider(config, request_timeout=request_timeout)
+    if config.type == "openai":
+        from gateway.providers.openai import OpenAIProvider
+
+        return OpenAIProvider(config, session, request_timeout=request_timeout)
+    raise ValueError(f"provider type {config.type!r} is not available yet")

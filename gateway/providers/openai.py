@@ -1,0 +1,91 @@
+"""OpenAI-compatible providers (OpenAI, Venice, vLLM, ...): the body goes through as is.
+
+The provider's credential is added here, server-side; nothing the client sent in its
+headers is forwarded except the trace context the relay passes in ``headers``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+
+from gateway.config import ProviderConfig
+from gateway.providers.base import Provider, UpstreamReply, map_transport_errors
+from gateway.sse import iter_events
+
+__all__ = ["OpenAIProvider"]
+
+
+class OpenAIProvider(Provider):
+    """Speaks the OpenAI wire to ``base_url`` (``/chat/completions``, ``/embeddings``)."""
+
+    system = "openai"
+
+    def __init__(
+        self, config: ProviderConfig, session: aiohttp.ClientSession, *, request_timeout: float
+    ) -> None:
+        super().__init__(config, request_timeout=request_timeout)
+        self._session = session
+        self._chat_url = f"{config.base_url}/chat/completions"
+        self._embeddings_url = f"{config.base_url}/embeddings"
+        self._headers: dict[str, str] = {"Content-Type": "application/json", **dict(config.headers)}
+        if config.api_key:
+            self._headers["Authorization"] = f"Bearer {config.api_key}"
+        self._whole_timeout = aiohttp.ClientTimeout(
+            total=self.request_timeout, sock_connect=config.connect_timeout
+        )
+        # A stream may last long; what must stay short is the silence between chunks.
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=config.connect_timeout, sock_read=self.idle_timeout
+        )
+        self._address = urlsplit(config.base_url).hostname
+
+    @property
+    def address(self) -> str | None:
+        return self._address
+
+    async def chat(
+        self, body: dict[str, Any], *, stream: bool, headers: Mapping[str, str]
+    ) -> UpstreamReply:
+        return await self._post(self._chat_url, orjson.dumps(body), stream=stream, headers=headers)
+
+    async def embeddings(self, body: dict[str, Any], *, headers: Mapping[str, str]) -> UpstreamReply:
+        return await self._post(self._embeddings_url, orjson.dumps(body), stream=False, headers=headers)
+
+    async def _post(
+        self, url: str, data: bytes, *, stream: bool, headers: Mapping[str, str]
+    ) -> UpstreamReply:
+        send_headers = {**self._headers, **headers} if headers else self._headers
+        with map_transport_errors():
+            resp = await self._session.post(
+                url,
+                data=data,
+                headers=send_headers,
+                timeout=self._stream_timeout if stream else self._whole_timeout,
+            )
+        try:
+            content_type = resp.headers.get("Content-Type", "")
+            if stream and resp.status < 300 and content_type.startswith("text/event-stream"):
+                return UpstreamReply(
+                    status=resp.status,
+                    headers=resp.headers,
+                    events=_events(resp),
+                    _release=resp.release,
+                )
+            with map_transport_errors():
+                payload = await resp.read()
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+        return UpstreamReply(status=resp.status, headers=resp.headers, body=payload)
+
+
+async def _events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    with map_transport_errors():
+        async for event in iter_events(resp.content.iter_any()):
+            yield event

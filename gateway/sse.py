@@ -1,0 +1,67 @@
+"""A small Server-Sent Events reader for relaying provider streams byte for byte.
+
+Why not aiohttp-sse-client: it reconnects (re-sending the POST) when a stream ends, drops
+raw bytes and error bodies, and fails on long lines (see shared notes). This reader
+splits the raw byte stream into events at blank lines and yields each event's bytes
+unchanged, so the relay can forward exactly what the provider sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator
+
+__all__ = ["EventTooLarge", "iter_events", "event_data"]
+
+#: Largest single event accepted; bounds memory on a provider that never ends an event.
+MAX_EVENT_BYTES = 16 * 1024 * 1024
+
+
+class EventTooLarge(ValueError):
+    """An event grew past MAX_EVENT_BYTES without a terminating blank line."""
+
+
+async def iter_events(
+    chunks: AsyncIterable[bytes], *, max_event_bytes: int = MAX_EVENT_BYTES
+) -> AsyncIterator[bytes]:
+    """Yield each complete event (ending with its blank line) from a byte stream.
+
+    CRLF line ends are folded to LF. Bytes after the last blank line (an unterminated
+    event) are yielded at the end, terminated, so nothing the provider sent is lost.
+    """
+    buf = bytearray()
+    scan_from = 0
+    async for chunk in chunks:
+        if not chunk:
+            continue
+        if b"\r" in chunk or (buf and buf[-1:] == b"\r"):
+            buf += chunk
+            buf[:] = buf.replace(b"\r\n", b"\n")
+        else:
+            buf += chunk
+        while True:
+            end = buf.find(b"\n\n", scan_from)
+            if end < 0:
+                scan_from = max(0, len(buf) - 1)
+                if len(buf) > max_event_bytes:
+                    raise EventTooLarge(f"SSE event over {max_event_bytes} bytes")
+                break
+            event = bytes(buf[: end + 2])
+            del buf[: end + 2]
+            scan_from = 0
+            if event.strip():
+                yield event
+    tail = bytes(buf).strip(b"\n")
+    if tail:
+        yield tail + b"\n\n"
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The joined ``data:`` payload of one event, or None if it has none (comments etc.)."""
+    if event.startswith(b"data: ") and event.count(b"\n") == 2:
+        return event[6:-2]  # the common case: one data line
+    parts = []
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            value = line[5:]
+            parts.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(parts) if parts else None

@@ -1,0 +1,47 @@
+"""The one state both planes share, typed behind an AppKey (no module-level globals)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import aiohttp
+import asyncpg
+from aiohttp import web
+
+from actors.runtime import Supervisor
+from gateway.config import GatewayConfig, Settings
+from gateway.keys import KeyStore
+from gateway.providers import Provider
+from gateway.routing import Router
+from gateway.upstream import RetryPolicy
+from gateway.usage import CallRecord
+
+if TYPE_CHECKING:
+    from actors.auth import AuthHandle
+
+__all__ = ["STATE", "GatewayState"]
+
+
+@dataclass
+class GatewayState:
+    """Long-lived objects built at start-up; handlers read them, actors own the rest."""
+
+    settings: Settings
+    config: GatewayConfig
+    pool: asyncpg.Pool
+    dsn: str
+    supervisor: Supervisor
+    auth: AuthHandle
+    keys: KeyStore
+    router: Router
+    providers: dict[str, Provider]
+    session: aiohttp.ClientSession
+    retry_policy: RetryPolicy
+    #: Called once per finished chat call (billing, metrics, logs subscribe here).
+    call_listeners: list[Callable[[CallRecord], None]] = field(default_factory=list)
+    draining: bool = False
+
+
+STATE = web.AppKey("gateway_state", GatewayState)

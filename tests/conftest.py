@@ -1,0 +1,369 @@
+"""Shared fixtures: a real PostgreSQL database per run, Redis, the fake provider over
+loopback, and gateways both in-process (fast) and as real ``llm-gateway serve``
+processes (for signals, restarts and several replicas).
+
+PostgreSQL: ``TEST_PG_ADMIN_DSN`` (default the local server on 127.0.0.1:5432); where
+none answers, the embedded ``pgserver`` one. Each run creates ``llmg_test_<random>``
+and drops it at the end. Redis: ``TEST_REDIS_URL`` (default 127.0.0.1:6379); tests that
+need it skip with a reason where it does not answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import asyncpg
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.app import DATA_SERVER_OPTIONS, build_data_app, build_management_app, gateway_state
+from gateway.config import GatewayConfig, load_config, load_settings
+from gateway.db import migrate
+from gateway.fake_provider import FakeConfig, make_app
+from gateway.keys import KeyPolicy, KeyStore
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ----------------------------------------------------------------------------- PostgreSQL
+def _admin_dsn_answers(dsn: str) -> bool:
+    async def probe() -> bool:
+        try:
+            conn = await asyncpg.connect(dsn, timeout=3)
+        except Exception:
+            return False
+        await conn.close()
+        return True
+
+    return asyncio.run(probe())
+
+
+@pytest.fixture(scope="session")
+def pg_admin_dsn() -> Iterator[str]:
+    """A superuser DSN: the local server, or an embedded one started for this run."""
+    dsn = os.environ.get("TEST_PG_ADMIN_DSN", DEFAULT_ADMIN_DSN)
+    if _admin_dsn_answers(dsn):
+        yield dsn
+        return
+    pgserver = pytest.importorskip("pgserver", reason="no PostgreSQL answers and pgserver is missing")
+    data_dir = Path(tempfile.mkdtemp(prefix="llmg-pg-", dir="/tmp"))
+    server = pgserver.get_server(str(data_dir), cleanup_mode="stop")
+    yield server.get_uri("postgres")
+    server.cleanup()
+    shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def _with_db(admin_dsn: str, name: str) -> str:
+    base, _, _ = admin_dsn.rpartition("/")
+    query = ""
+    if "?" in admin_dsn:
+        query = "?" + admin_dsn.split("?", 1)[1]
+    return f"{base}/{name}{query}"
+
+
+@pytest.fixture(scope="session")
+def database_url(pg_admin_dsn: str) -> Iterator[str]:
+    """A fresh, migrated database for this test run; dropped at the end."""
+    name = f"llmg_test_{uuid.uuid4().hex[:10]}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(pg_admin_dsn)
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+        conn = await asyncpg.connect(_with_db(pg_admin_dsn, name))
+        try:
+            await migrate(conn)
+        finally:
+            await conn.close()
+
+    async def drop() -> None:
+        conn = await asyncpg.connect(pg_admin_dsn)
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    asyncio.run(create())
+    yield _with_db(pg_admin_dsn, name)
+    asyncio.run(drop())
+
+
+@pytest.fixture
+async def db_pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
+    pool = await asyncpg.create_pool(database_url, min_size=1, max_size=4)
+    assert pool is not None
+    yield pool
+    await pool.close()
+
+
+@pytest.fixture
+async def key_factory(db_pool: asyncpg.Pool) -> Callable[..., Any]:
+    """``await key_factory(name=..., **policy)`` → (raw key, KeyRecord)."""
+    store = KeyStore(db_pool)
+
+    async def create(name: str = "test", *, subject_id: uuid.UUID | None = None, **policy: Any) -> Any:
+        return await store.create(name, subject_id=subject_id, policy=KeyPolicy(**policy))
+
+    return create
+
+
+@pytest.fixture
+async def api_key(key_factory: Callable[..., Any]) -> str:
+    raw, _ = await key_factory(rate_limit_requests=100_000)
+    return str(raw)
+
+
+# ----------------------------------------------------------------------------- Redis
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    url = os.environ.get("TEST_REDIS_URL", DEFAULT_REDIS_URL)
+    host_port = url.split("//", 1)[1].split("/", 1)[0]
+    host, _, port = host_port.partition(":")
+    try:
+        with socket.create_connection((host, int(port or 6379)), timeout=1) as s:
+            s.sendall(b"PING\r\n")
+            if not s.recv(16).startswith(b"+PONG"):
+                raise OSError("no PONG")
+    except OSError as exc:
+        pytest.skip(f"Redis is not reachable at {url}: {exc}")
+    return url
+
+
+# ----------------------------------------------------------------------------- fake provider
+@dataclass
+class FakeUpstream:
+    """A running fake provider and a way to script and inspect it."""
+
+    url: str  # base URL including /v1
+    server: TestServer
+    session: aiohttp.ClientSession
+
+    async def script(self, *steps: Mapping[str, Any]) -> None:
+        async with self.session.post(f"{self.url[:-3]}/_fake/script", json={"steps": list(steps)}) as r:
+            assert r.status == 200, await r.text()
+
+    async def stats(self) -> dict[str, Any]:
+        async with self.session.get(f"{self.url[:-3]}/_fake/stats") as r:
+            return dict(await r.json())
+
+
+@pytest.fixture
+async def fake_factory() -> AsyncIterator[Callable[..., Any]]:
+    """``await fake_factory(**FakeConfig fields)`` → a FakeUpstream on 127.0.0.1."""
+    started: list[TestServer] = []
+    session = aiohttp.ClientSession()
+
+    async def start(**config: Any) -> FakeUpstream:
+        server = TestServer(make_app(FakeConfig(**config)), host="127.0.0.1")
+        await server.start_server()
+        started.append(server)
+        return FakeUpstream(url=f"http://127.0.0.1:{server.port}/v1", server=server, session=session)
+
+    yield start
+    for server in started:
+        await server.close()
+    await session.close()
+
+
+@pytest.fixture
+async def fake(fake_factory: Callable[..., Any]) -> FakeUpstream:
+    return await fake_factory()  # type: ignore[no-any-return]
+
+
+# ----------------------------------------------------------------------------- gateways
+def config_for(fake_url: str, **extra: Any) -> str:
+    """YAML for one OpenAI-compatible provider ``fake`` serving every model name."""
+    import yaml
+
+    doc: dict[str, Any] = {
+        "providers": {"fake": {"type": "openai", "base_url": fake_url, "api_key": "sk-fake-provider-secret"}},
+        "models": [{"name": "*", "deployments": [{"provider": "fake", "model": "*"}]}],
+    }
+    doc.update(extra)
+    return yaml.safe_dump(doc)
+
+
+@dataclass
+class Gateway:
+    """An in-process gateway: test clients for both planes over real loopback HTTP."""
+
+    data: TestClient
+    management: TestClient
+    state: Any
+
+    def url(self, path: str = "") -> str:
+        return str(self.data.make_url(path))
+
+
+@pytest.fixture
+async def gateway_factory(
+    database_url: str, tmp_path: Path
+) -> AsyncIterator[Callable[..., Any]]:
+    """``await gateway_factory(env={...}, config_yaml=...)`` → Gateway (in-process).
+
+    ``env`` holds contract §3 variables (DATABASE_URL is set for you); ``config_yaml``
+    is written to a file and used as GATEWAY_CONFIG.
+    """
+    stack = contextlib.AsyncExitStack()
+
+    async def start(env: Mapping[str, str] | None = None, config_yaml: str | None = None) -> Gateway:
+        environ = {"DATABASE_URL": database_url, **(env or {})}
+        if config_yaml is not None:
+            path = tmp_path / f"gateway-{uuid.uuid4().hex[:6]}.yaml"
+            path.write_text(config_yaml)
+            environ["GATEWAY_CONFIG"] = str(path)
+        settings = load_settings(environ)
+        config: GatewayConfig = load_config(settings, environ)
+        state = await stack.enter_async_context(gateway_state(settings, config, database_url))
+        data_server = TestServer(build_data_app(state), host="127.0.0.1")
+        # TestServer sets handler_cancellation itself; pass the rest of the real options.
+        await data_server.start_server(
+            **{k: v for k, v in DATA_SERVER_OPTIONS.items() if k != "handler_cancellation"}
+        )
+        data = TestClient(data_server)
+        management = TestClient(TestServer(build_management_app(state), host="127.0.0.1"))
+        await data.start_server()
+        await management.start_server()
+        stack.push_async_callback(data.close)
+        stack.push_async_callback(management.close)
+        return Gateway(data=data, management=management, state=state)
+
+    yield start
+    await stack.aclose()
+
+
+@pytest.fixture
+async def gateway(gateway_factory: Callable[..., Any], fake: FakeUpstream) -> Gateway:
+    """A gateway in front of one fake provider."""
+    return await gateway_factory(config_yaml=config_for(fake.url))  # type: ignore[no-any-return]
+
+
+@dataclass
+class GatewayProcess:
+    """A real ``llm-gateway serve`` process."""
+
+    proc: subprocess.Popen[bytes]
+    port: int
+    management_port: int
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def management_url(self) -> str:
+        return f"http://127.0.0.1:{self.management_port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+
+async def wait_until_ready(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"gateway exited with {proc.returncode}")
+            try:
+                async with session.get(f"{url}/readyz", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                    if r.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(0.05)
+    raise TimeoutError(f"gateway at {url} not ready within {timeout}s")
+
+
+@pytest.fixture
+async def process_factory(database_url: str, tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    """``await process_factory(env={...}, config_yaml=...)`` → a started GatewayProcess."""
+    procs: list[GatewayProcess] = []
+
+    async def start(
+        env: Mapping[str, str] | None = None, config_yaml: str | None = None, *, ready: bool = True,
+        args: tuple[str, ...] = (),
+    ) -> GatewayProcess:
+        port, mport = free_port(), free_port()
+        environ = {
+            **{k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OTEL_"))},
+            "DATABASE_URL": database_url,
+            "BIND_ADDR": f"127.0.0.1:{port}",
+            "MANAGEMENT_BIND_ADDR": f"127.0.0.1:{mport}",
+            "LLM_GATEWAY_HOME": str(tmp_path / "home"),
+            "PYTHONUNBUFFERED": "1",
+            **(env or {}),
+        }
+        if config_yaml is not None:
+            path = tmp_path / f"gateway-{uuid.uuid4().hex[:6]}.yaml"
+            path.write_text(config_yaml)
+            environ["GATEWAY_CONFIG"] = str(path)
+        log_path = tmp_path / f"gateway-{port}.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gateway", "serve", *args],
+                env=environ, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path),
+            )
+        gp = GatewayProcess(proc=proc, port=port, management_port=mport, log_path=log_path, env=environ)
+        procs.append(gp)
+        if ready:
+            try:
+                await wait_until_ready(gp.url, proc=proc)
+            except Exception as exc:
+                raise RuntimeError(f"{exc}; log:\n{gp.log()}") from None
+        return gp
+
+    yield start
+    for gp in procs:
+        if gp.proc.poll() is None:
+            gp.proc.send_signal(signal.SIGKILL)
+            gp.proc.wait(timeout=10)
+
+
+def chat_body(content: str = "hello there", *, model: str = "test-model", stream: bool = False, **extra: Any) -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": content}], "stream": stream, **extra}
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def sse_payloads(raw: bytes) -> list[bytes]:
+    """The ``data:`` payloads of an SSE body, in order."""
+    return [line[6:] for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
+__all__ = ["auth", "chat_body", "config_for", "free_port", "sse_payloads", "wait_until_ready", "web"]
