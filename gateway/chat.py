@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from gateway import fake_llm
+from gateway.dispatch import dispatch
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
@@ -26,11 +27,10 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.middleware import request_id_of
-from gateway.providers.base import ProviderError, UpstreamReply, UpstreamTimeoutError
-from gateway.routing import Route, Target
+from gateway.providers.base import ProviderError, UpstreamTimeoutError
+from gateway.routing import Route
 from gateway.sse import event_data
 from gateway.state import STATE, GatewayState
-from gateway.upstream import call_with_retries
 from gateway.usage import CallRecord, StreamTap, usage_from_answer
 
 __all__ = ["bearer_token", "chat_completions", "parse_chat_body", "read_json_body"]
@@ -132,45 +132,10 @@ def _finish(state: GatewayState, record: CallRecord) -> None:
             log.exception("call listener failed for %s", record.request_id)
 
 
-async def _call(
-    state: GatewayState, route: Route, body: dict[str, Any], record: CallRecord, *, stream: bool
-) -> tuple[Target, UpstreamReply]:
-    """Try the route's targets in order; the first reply that is not a failure wins."""
-    last_error: ProviderError | None = None
-    last_reply: UpstreamReply | None = None
-    for index, target in enumerate(route.targets):
-        provider = state.providers[target.provider]
-        upstream_body = body if body.get("model") == target.upstream_model else {**body, "model": target.upstream_model}
-        record.provider, record.deployment = target.provider, target.deployment.id
-        record.failovers = index
-
-        def count_retry(_attempt: int, _reason: str) -> None:
-            record.retries += 1
-
-        try:
-            reply = await call_with_retries(
-                provider, upstream_body, stream=stream, headers={},
-                policy=state.retry_policy, on_retry=count_retry,
-            )
-        except ProviderError as exc:
-            last_error, last_reply = exc, None
-            continue
-        if reply.status >= 500 and index + 1 < len(route.targets):
-            await reply.release()
-            last_reply = reply
-            continue
-        return target, reply
-    if last_reply is not None:
-        return route.targets[-1], last_reply
-    if isinstance(last_error, UpstreamTimeoutError):
-        raise UpstreamTimeout(f"upstream timed out after {record.retries} retries")
-    raise UpstreamUnavailable(f"upstream unavailable: {last_error}")
-
-
 async def _whole(
     state: GatewayState, route: Route, body: dict[str, Any], record: CallRecord
 ) -> web.Response:
-    target, reply = await _call(state, route, body, record, stream=False)
+    target, reply = await dispatch(state, route, body, record, stream=False)
     record.status = reply.status
     record.served_model = target.upstream_model
     usage, answer = usage_from_answer(reply.body)
@@ -205,7 +170,7 @@ async def _stream(
         # Ask for usage anyway so the ledger is exact; the client never sees it.
         options = body.get("stream_options")
         body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
-    target, reply = await _call(state, route, body, record, stream=True)
+    target, reply = await dispatch(state, route, body, record, stream=True)
     record.status = reply.status
     record.served_model = target.upstream_model
     if reply.events is None:

@@ -367,3 +367,28 @@ def sse_payloads(raw: bytes) -> list[bytes]:
 
 
 __all__ = ["auth", "chat_body", "config_for", "free_port", "sse_payloads", "wait_until_ready", "web"]
+
+
+# ----------------------------------------------------------------------------- outages
+@pytest.fixture
+async def pg_proxy(pg_admin_dsn: str) -> AsyncIterator[Any]:
+    """A cuttable TCP proxy in front of the test PostgreSQL (TCP servers only)."""
+    from urllib.parse import urlsplit
+
+    from tests.chaos import TcpProxy
+
+    parts = urlsplit(pg_admin_dsn)
+    if not parts.hostname or parts.hostname.startswith("/"):
+        pytest.skip("the test PostgreSQL is not reachable over TCP")
+    proxy = await TcpProxy.start(parts.hostname, parts.port or 5432)
+    yield proxy
+    await proxy.close()
+
+
+def via_proxy(dsn: str, proxy_port: int) -> str:
+    """``dsn`` rewritten to go through a proxy on 127.0.0.1:proxy_port."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(dsn)
+    user = f"{parts.username}@" if parts.username else ""
+    return urlunsplit((parts.scheme, f"{user}127.0.0.1:{proxy_port}", parts.path, parts.query, ""))
