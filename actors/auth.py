@@ -285,7 +285,7 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
             lost = asyncio.Event()
             self._listener = conn
             try:
-                conn.add_termination_listener(lambda _c: lost.set())
+                conn.add_termination_listener(lambda _c, lost=lost: lost.set())
                 await conn.add_listener(
                     NOTIFY_CHANNEL, lambda _c, _pid, _ch, payload: self.post_internal(Evict(payload))
                 )

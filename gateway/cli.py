@@ -16,7 +16,6 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
-from typing import Any
 
 import asyncpg
 

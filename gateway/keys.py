@@ -23,6 +23,7 @@ __all__ = [
     "KeyPolicy",
     "KeyRecord",
     "KeyStore",
+    "UNCHANGED",
     "generate_key",
     "hash_key",
 ]
@@ -33,6 +34,13 @@ KEY_MARK = "llmg_"
 DEV_KEY = "llmg_dev_0123456789abcdef"
 
 BUDGET_PERIODS = ("day", "month", "total")
+
+
+class _Unchanged:
+    """Marks an argument that was not given (``None`` already means "clear it")."""
+
+
+UNCHANGED = _Unchanged()
 
 
 class KeyNotFound(LookupError):
@@ -233,9 +241,9 @@ class KeyStore:
 
     async def update(
         self, id_or_prefix: str, *, name: str | None = None,
-        expires_at: datetime | None | type[...] = ..., **policy: Any,
+        expires_at: datetime | _Unchanged | None = UNCHANGED, **policy: Any,
     ) -> KeyRecord:
-        """Change a key's name, expiry or policy fields (``...`` leaves a field alone)."""
+        """Change a key's name, expiry or policy fields; fields not given stay as they are."""
         current = await self.get(id_or_prefix)
         merged = {c: getattr(current.policy, c) for c in _POLICY_COLUMNS}
         unknown = set(policy) - set(_POLICY_COLUMNS)
@@ -259,7 +267,7 @@ class KeyStore:
             checked.tokens_per_minute, checked.max_concurrent, checked.budget_usd,
             checked.budget_period,
             list(checked.allowed_models) if checked.allowed_models is not None else None,
-            current.expires_at if expires_at is ... else expires_at,
+            current.expires_at if isinstance(expires_at, _Unchanged) else expires_at,
         )
         return KeyRecord.from_row(row)
 

@@ -69,8 +69,16 @@ class StreamTap:
     """
 
     __slots__ = (
-        "chunks", "client_wants_usage", "done", "finish_reasons", "first_chunk_at",
-        "response_id", "response_model", "text_chars", "usage", "_saw_usage",
+        "_saw_usage",
+        "chunks",
+        "client_wants_usage",
+        "done",
+        "finish_reasons",
+        "first_chunk_at",
+        "response_id",
+        "response_model",
+        "text_chars",
+        "usage",
     )
 
     def __init__(self, *, client_wants_usage: bool) -> None:
