@@ -325,6 +325,8 @@ async def process_factory(database_url: str, tmp_path: Path) -> AsyncIterator[Ca
             "MANAGEMENT_BIND_ADDR": f"127.0.0.1:{mport}",
             "LLM_GATEWAY_HOME": str(tmp_path / "home"),
             "PYTHONUNBUFFERED": "1",
+            # The source tree under test, installed or not.
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
             **(env or {}),
         }
         if config_yaml is not None:
