@@ -1,0 +1,95 @@
+"""Property-based tests of the two parsers that face untrusted bytes: the chat body
+validation and the SSE reader."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.chat import parse_chat_body
+from gateway.errors import InvalidRequest
+from gateway.sse import EventTooLarge, event_data, iter_events
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(st.dictionaries(st.sampled_from(["model", "messages", "stream", "temperature", "x"]), json_values))
+def test_chat_body_validation_accepts_or_raises_invalid_request_only(body: dict[str, Any]) -> None:
+    try:
+        model, stream = parse_chat_body(body)
+    except InvalidRequest as exc:
+        assert exc.status == 400 and exc.error_code and exc.error_code.startswith("invalid_")
+        return
+    assert isinstance(model, str) and model.strip()
+    assert isinstance(stream, bool)
+    assert isinstance(body["messages"], list) and body["messages"]
+    assert all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in body["messages"])
+
+
+async def _chunks(parts: list[bytes]) -> AsyncIterator[bytes]:
+    for p in parts:
+        yield p
+
+
+def _collect(parts: list[bytes], **kwargs: Any) -> list[bytes]:
+    async def run() -> list[bytes]:
+        return [e async for e in iter_events(_chunks(parts), **kwargs)]
+
+    return asyncio.run(run())
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    pieces, last = [], 0
+    for p in points:
+        pieces.append(data[last:p])
+        last = p
+    pieces.append(data[last:])
+    return pieces
+
+
+payload = st.binary(max_size=60).filter(lambda b: b"\n" not in b and b"\r" not in b)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=200)
+@given(st.lists(payload, min_size=1, max_size=8), st.lists(st.integers(min_value=0), max_size=10))
+def test_sse_reader_yields_every_event_whatever_the_chunking(datas: list[bytes], cuts: list[int]) -> None:
+    stream = b"".join(b"data: " + d + b"\n\n" for d in datas)
+    events = _collect(_split(stream, cuts))
+    assert [event_data(e) for e in events] == datas
+    assert b"".join(events) == stream  # byte for byte
+
+
+@given(st.binary(max_size=300), st.lists(st.integers(min_value=0), max_size=6))
+def test_sse_reader_never_loses_or_invents_bytes(data: bytes, cuts: list[int]) -> None:
+    events = _collect(_split(data, cuts))
+    normalised = data.replace(b"\r\n", b"\n")
+    joined = b"".join(events)
+    # Events are the input's non-blank content, in order, each closed by a blank line.
+    assert joined.replace(b"\n", b"") == normalised.replace(b"\n", b"")
+    assert all(e.endswith(b"\n\n") and e.strip() for e in events)
+
+
+def test_sse_reader_crlf_and_multiline_data() -> None:
+    events = _collect([b"event: x\r\ndata: a\r\n", b"data: b\r\n\r\n: comment\n\n"])
+    assert [event_data(e) for e in events] == [b"a\nb", None]
+
+
+def test_sse_reader_bounds_an_event_that_never_ends() -> None:
+    with pytest.raises(EventTooLarge):
+        _collect([b"data: " + b"x" * 5000] * 10, max_event_bytes=20_000)
+
+
+def test_sse_reader_accepts_a_long_line_under_the_bound() -> None:
+    big = b"data: " + b"y" * 3_000_000 + b"\n\n"
+    events = _collect(_split(big, [65536 * i for i in range(1, 40)]))
+    assert events == [big]
