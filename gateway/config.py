@@ -249,7 +249,8 @@ class GatewayConfig:
     rate_limits: RateLimitSettings = RateLimitSettings()
 
 
-_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+#: ``${NAME}`` or ``${NAME:-default}`` (the default applies when NAME is unset or empty).
+_VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
 def _interpolate(value: Any, environ: Mapping[str, str], path: str) -> Any:
@@ -258,6 +259,8 @@ def _interpolate(value: Any, environ: Mapping[str, str], path: str) -> Any:
         def sub(m: re.Match[str]) -> str:
             name = m.group(1)
             found = _env(environ, name)
+            if found is None and m.group(2) is not None:
+                return m.group(2)
             if found is None:
                 raise ConfigError(f"{path}: environment variable {name} is not set")
             return found
