@@ -1,0 +1,98 @@
+"""Two gateway processes sharing PostgreSQL (and Redis) behind nginx on loopback: the
+same client experience as one process."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.balancer import Nginx, nginx_available
+from tests.conftest import FakeUpstream, GatewayProcess, auth, chat_body, config_for, free_port
+
+
+@dataclass
+class Cluster:
+    replicas: list[GatewayProcess]
+    url: str
+    fake: FakeUpstream
+
+
+@pytest.fixture
+async def cluster(process_factory: Any, fake_factory: Any, redis_url: str, tmp_path: Path) -> AsyncIterator[Cluster]:
+    if nginx_available() is None:
+        pytest.skip("nginx is not installed")
+    fake: FakeUpstream = await fake_factory()
+    config = config_for(fake.url)
+    replicas = [await process_factory(env={"REDIS_URL": redis_url}, config_yaml=config) for _ in range(2)]
+    nginx = Nginx(tmp_path / "nginx", free_port(), [r.port for r in replicas])
+    nginx.start()
+    try:
+        yield Cluster(replicas, f"http://127.0.0.1:{nginx.port}", fake)
+    finally:
+        nginx.stop()
+
+
+async def test_a_key_works_through_the_balancer_on_both_replicas(cluster: Cluster, api_key: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(6):
+            async with session.post(f"{cluster.url}/v1/chat/completions", json=chat_body(), headers=auth(api_key)) as r:
+                assert r.status == 200
+        # Each replica answers the key on its own too.
+        for replica in cluster.replicas:
+            async with session.post(f"{replica.url}/v1/chat/completions", json=chat_body(stream=True), headers=auth(api_key)) as r:
+                assert r.status == 200
+                assert (await r.read()).endswith(b"data: [DONE]\n\n")
+
+
+async def test_revocation_holds_on_every_replica_within_a_second(cluster: Cluster, key_factory: Any, db_pool: Any) -> None:
+    raw, record = await key_factory()
+    async with aiohttp.ClientSession() as session:
+        for replica in cluster.replicas:  # cache the key on both
+            async with session.post(f"{replica.url}/v1/chat/completions", json=chat_body(), headers=auth(raw)) as r:
+                assert r.status == 200
+        await db_pool.execute("UPDATE api_keys SET is_active = false, revoked_at = now() WHERE api_key_id = $1", record.api_key_id)
+        revoked_at = time.monotonic()
+        pending = set(range(len(cluster.replicas)))
+        while pending and time.monotonic() - revoked_at < 1.0:
+            for i in list(pending):
+                async with session.post(f"{cluster.replicas[i].url}/v1/chat/completions", json=chat_body(), headers=auth(raw)) as r:
+                    if r.status == 401:
+                        pending.discard(i)
+            await asyncio.sleep(0.02)
+        assert not pending, f"replicas {pending} still accept a key revoked a second ago"
+
+
+async def test_a_replica_killed_mid_traffic_costs_only_its_in_flight_requests(cluster: Cluster, api_key: str) -> None:
+    statuses: list[int] = []
+
+    async def client(session: aiohttp.ClientSession, n: int) -> None:
+        for _ in range(n):
+            # Clients retry through the balancer, as the README advises.
+            for _attempt in range(3):
+                try:
+                    async with session.post(f"{cluster.url}/v1/chat/completions", json=chat_body(), headers=auth(api_key)) as r:
+                        await r.read()
+                        if r.status < 500:
+                            statuses.append(r.status)
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.05)
+            else:
+                statuses.append(599)
+
+    async with aiohttp.ClientSession() as session:
+        traffic = asyncio.gather(*(client(session, 30) for _ in range(4)))
+        await asyncio.sleep(0.3)
+        cluster.replicas[0].signal(signal.SIGKILL)
+        await traffic
+    assert len(statuses) == 120
+    assert statuses.count(200) == 120, f"lost requests: {[s for s in statuses if s != 200]}"
