@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import itertools
 import signal
+import sys
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -577,7 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     except OSError as exc:
-        print(f"fake provider: cannot listen on {args.host}:{args.port}: {exc}")
+        print(f"fake provider: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     return 0
 
