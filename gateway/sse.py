@@ -51,7 +51,7 @@ async def iter_events(
             if event.strip():
                 yield event
     tail = bytes(buf).strip(b"\n")
-    if tail:
+    if tail.strip():
         yield tail + b"\n\n"
 
 
