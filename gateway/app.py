@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from actors.auth import AuthActor, AuthHandle
+from actors.breaker import BreakerActor, BreakerHandle
 from actors.runtime import Supervisor
 from gateway import chat, dataplane
 from gateway.config import ConfigError, GatewayConfig, Settings
@@ -72,6 +73,8 @@ async def gateway_state(
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         auth_actor = AuthActor(pool, dsn)
         auth_ref = await supervisor.start(auth_actor)
+        breaker_actor = BreakerActor(config.circuit_breaker)
+        breaker_ref = await supervisor.start(breaker_actor)
         providers = _providers(config, session, settings)
         yield GatewayState(
             settings=settings,
@@ -85,6 +88,7 @@ async def gateway_state(
             providers=providers,
             session=session,
             retry_policy=RetryPolicy(max_retries=settings.upstream_max_retries),
+            breaker=BreakerHandle(breaker_actor, breaker_ref),
         )
     finally:
         await supervisor.stop()

@@ -220,6 +220,10 @@ class ModelGroup:
     deployments: tuple[Deployment, ...]
     strategy: str = "priority"
     fallbacks: tuple[str, ...] = ()
+    #: Per-group timeouts; ``None`` defers to the provider's, then REQUEST_TIMEOUT_SECONDS.
+    connect_timeout: float | None = None
+    timeout: float | None = None
+    idle_timeout: float | None = None
 
     @property
     def is_wildcard(self) -> bool:
@@ -230,6 +234,8 @@ class ModelGroup:
 class BreakerSettings:
     fail_max: int = 3
     reset_timeout: float = 60.0
+    #: A closed breaker entry unused this long is forgotten (counts and latency).
+    idle_purge: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,7 +375,11 @@ def _deployment(raw: Any, path: str, providers: Mapping[str, ProviderConfig]) ->
 
 
 def _model_group(raw: Any, path: str, providers: Mapping[str, ProviderConfig]) -> ModelGroup:
-    s = _Section(raw, path, ("name", "strategy", "deployments", "fallbacks"))
+    s = _Section(
+        raw, path,
+        ("name", "strategy", "deployments", "fallbacks", "connect_timeout_seconds", "timeout_seconds",
+         "idle_timeout_seconds"),
+    )
     name = s.text("name", required=True)
     if "*" in name[:-1]:
         raise ConfigError(f"{path}.name: '*' may only end a name ('venice/*' or '*')")
@@ -386,6 +396,9 @@ def _model_group(raw: Any, path: str, providers: Mapping[str, ProviderConfig]) -
             _deployment(d, f"{path}.deployments[{i}]", providers) for i, d in enumerate(deployments_raw)
         ),
         fallbacks=tuple(fallbacks),
+        connect_timeout=s.num("connect_timeout_seconds", None, minimum=0.001),
+        timeout=s.num("timeout_seconds", None, minimum=0.001),
+        idle_timeout=s.num("idle_timeout_seconds", None, minimum=0.001),
     )
 
 
@@ -427,9 +440,17 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
         if names.count(m.name) > 1:
             raise ConfigError(f"models[{i}].name: {m.name!r} is defined twice")
         for f in m.fallbacks:
-            if f not in names:
+            # A fallback is a model name as a client would send it: exact, or under a wildcard.
+            if f not in names and not any(
+                n.endswith("*") and f.startswith(n[:-1]) and len(f) > len(n) - 1 for n in names
+            ):
                 raise ConfigError(f"models[{i}].fallbacks: unknown model {f!r}")
-    cb = _Section(top.raw.get("circuit_breaker") or {}, "circuit_breaker", ("fail_max", "reset_timeout_seconds"))
+            if f == m.name:
+                raise ConfigError(f"models[{i}].fallbacks: {f!r} falls back to itself")
+    cb = _Section(
+        top.raw.get("circuit_breaker") or {}, "circuit_breaker",
+        ("fail_max", "reset_timeout_seconds", "idle_purge_seconds"),
+    )
     rl = _Section(top.raw.get("rate_limits") or {}, "rate_limits", ("storage", "per_ip", "strategy"))
     return GatewayConfig(
         providers=providers,
@@ -437,6 +458,7 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
         circuit_breaker=BreakerSettings(
             fail_max=cb.num("fail_max", 3, integer=True, minimum=1),
             reset_timeout=float(cb.num("reset_timeout_seconds", 60.0, minimum=0.001)),
+            idle_purge=float(cb.num("idle_purge_seconds", 60.0, minimum=0.001)),
         ),
         rate_limits=RateLimitSettings(
             storage=rl.text("storage"),

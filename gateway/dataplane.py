@@ -49,7 +49,7 @@ async def list_models(request: web.Request) -> web.Response:
     created = int(time.time())
     data = [
         {"id": name, "object": "model", "created": created, "owned_by": "llm-gateway"}
-        for name in state.router.listable(key.policy.allowed_models)
+        for name in await state.router.list_models(state.providers, key.policy.allowed_models)
     ]
     return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
 

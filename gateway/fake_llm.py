@@ -30,6 +30,7 @@ __all__ = [
     "anthropic_input_tokens",
     "anthropic_message",
     "anthropic_stream_events",
+    "anthropic_tool_use",
     "completion",
     "completion_text",
     "completion_tokens",
@@ -90,6 +91,11 @@ def _content_text(content: Any) -> str:
     if isinstance(content, list):
         texts = [
             part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)
+        ]
+        # An Anthropic tool result is answered like a user's text.
+        texts += [
+            part["content"] for part in content
+            if isinstance(part, dict) and part.get("type") == "tool_result" and isinstance(part.get("content"), str)
         ]
         return " ".join(texts)
     return ""
@@ -375,8 +381,66 @@ def models_list(created: int = 0) -> dict[str, Any]:
 # --------------------------------------------------------------------------- Anthropic
 
 
+def anthropic_tool_use(body: Mapping[str, Any], *, message_id: str) -> dict[str, Any] | None:
+    """Return the ``tool_use`` block the fake answers with, or ``None`` for a text answer.
+
+    When the body offers ``tools`` (and ``tool_choice`` is not ``none``) and its last
+    user turn holds no ``tool_result``, the fake calls the first tool (or the one
+    ``tool_choice`` names) with a fixed, nested, non-ASCII input built from the prompt,
+    so a test can check that arguments arrive intact through a translating gateway.
+    """
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools or not isinstance(tools[0], dict):
+        return None
+    choice = body.get("tool_choice")
+    choice = choice if isinstance(choice, dict) else {}
+    if choice.get("type") == "none":
+        return None
+    for message in reversed(_messages(body)):
+        if isinstance(message, dict) and message.get("role") == "user":
+            content = message.get("content")
+            if isinstance(content, list) and any(
+                isinstance(p, dict) and p.get("type") == "tool_result" for p in content
+            ):
+                return None
+            break
+    name = choice.get("name") if choice.get("type") == "tool" else tools[0].get("name")
+    prompt = " ".join(_answer_words(body)[0][len(_ANSWER_PREFIX):])
+    return {
+        "type": "tool_use",
+        "id": f"toolu_{message_id}",
+        "name": name,
+        "input": {
+            "query": prompt,
+            "limit": 3,
+            "filters": {"lang": "en", "tags": ["a", "b"], "strict": True, "ratio": 0.25},
+            "note": 'naïve ✓ "quoted" \\ back\nslash',
+        },
+    }
+
+
+def _tool_intro(tool_use: Mapping[str, Any]) -> str:
+    return f"Calling {tool_use['name']}."
+
+
 def anthropic_message(body: Mapping[str, Any], *, message_id: str) -> dict[str, Any]:
     """Return the Anthropic Messages ``message`` object answering ``body``."""
+    tool_use = anthropic_tool_use(body, message_id=message_id)
+    if tool_use is not None:
+        intro = _tool_intro(tool_use)
+        return {
+            "id": message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": _model(body),
+            "content": [{"type": "text", "text": intro}, tool_use],
+            "stop_reason": "tool_use",
+            "stop_sequence": None,
+            "usage": {
+                "input_tokens": anthropic_input_tokens(body),
+                "output_tokens": count_tokens(intro) + count_tokens(orjson.dumps(tool_use["input"]).decode()),
+            },
+        }
     words, cut = _answer_words(body)
     text = " ".join(words)
     return {
@@ -406,8 +470,13 @@ def anthropic_stream_events(
 
     ``message_start``, ``content_block_start``, one ``content_block_delta``
     (``text_delta``) per piece, ``content_block_stop``, ``message_delta`` (stop
-    reason and ``usage.output_tokens``) and ``message_stop``.
+    reason and ``usage.output_tokens``) and ``message_stop``.  When the fake calls a
+    tool (:func:`anthropic_tool_use`), a text block introduces it and a ``tool_use``
+    block follows, its input streamed as ``input_json_delta`` pieces.
     """
+    tool_use = anthropic_tool_use(body, message_id=message_id)
+    if tool_use is not None:
+        return _anthropic_tool_stream(body, message_id, tool_use)
     words, cut = _answer_words(body)
     n_output = count_tokens(" ".join(words))
     start = {
@@ -458,6 +527,31 @@ def anthropic_stream_events(
     )
     events.append(encode_anthropic_event({"type": "message_stop"}))
     return events
+
+
+def _anthropic_tool_stream(body: Mapping[str, Any], message_id: str, tool_use: Mapping[str, Any]) -> list[bytes]:
+    """The encoded events of a stream that introduces and calls a tool."""
+    message = anthropic_message(body, message_id=message_id)
+    arguments = orjson.dumps(tool_use["input"]).decode()
+    third = max(1, len(arguments) // 3)
+    pieces = [arguments[:third], arguments[third : 2 * third], arguments[2 * third :]]
+    events: list[dict[str, Any]] = [
+        {"type": "message_start", "message": {**message, "content": [], "stop_reason": None,
+                                              "usage": {**message["usage"], "output_tokens": 1}}},
+        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": _tool_intro(tool_use)}},
+        {"type": "content_block_stop", "index": 0},
+        {"type": "ping"},
+        {"type": "content_block_start", "index": 1,
+         "content_block": {"type": "tool_use", "id": tool_use["id"], "name": tool_use["name"], "input": {}}},
+        *({"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": p}}
+          for p in pieces),
+        {"type": "content_block_stop", "index": 1},
+        {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+         "usage": {"output_tokens": message["usage"]["output_tokens"]}},
+        {"type": "message_stop"},
+    ]
+    return [encode_anthropic_event(e) for e in events]
 
 
 def anthropic_error(message: str, error_type: str) -> dict[str, Any]:

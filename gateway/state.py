@@ -20,6 +20,7 @@ from gateway.usage import CallRecord
 
 if TYPE_CHECKING:
     from actors.auth import AuthHandle
+    from actors.breaker import BreakerHandle, DeploymentStatus
 
 __all__ = ["STATE", "GatewayState"]
 
@@ -39,9 +40,16 @@ class GatewayState:
     providers: dict[str, Provider]
     session: aiohttp.ClientSession
     retry_policy: RetryPolicy
+    #: Circuit breakers and recent health per deployment (actors/breaker.py).
+    breaker: BreakerHandle
     #: Called once per finished chat call (billing, metrics, logs subscribe here).
     call_listeners: list[Callable[[CallRecord], None]] = field(default_factory=list)
     draining: bool = False
+
+    def deployment_health(self) -> list[DeploymentStatus]:
+        """Every configured deployment with circuit state, recent latency and error rate,
+        for ``/admin/providers`` and ``gateway_circuit_state`` (read-only, no hop)."""
+        return self.breaker.statuses(self.config)
 
 
 STATE = web.AppKey("gateway_state", GatewayState)

@@ -1,84 +1,60 @@
-"""One call to one deployment, with the contract's retry policy.
+"""The retry policy of one deployment, and how an attempt's ending is classified.
 
-Retried: connection errors (never sent, always safe), timeouts (only where the
-provider allows ``retry_on_timeout``: the call may have been billed), and the statuses
-408/429/500/502/503/504. Backoff is exponential with full jitter, and a provider's
-``Retry-After`` is honoured when it asks for longer (capped, so one answer cannot park
-a request forever). A stream is retried only while nothing has reached the client,
-which holds here: this module returns before the first event is read.
+Retried on the same deployment (then the next one, see :mod:`gateway.dispatch`):
+connection errors (the request never left, so sending it again is always safe),
+timeouts and connections dropped after sending (only where the provider's
+``retry_on_timeout`` allows: the call may have run and been billed), and the statuses
+408/429/500/502/503/504 (and Anthropic's 529). Backoff is exponential with full jitter;
+a provider's ``Retry-After`` is honoured when it asks for longer, capped, so one answer
+cannot park a request forever.
 """
 
 from __future__ import annotations
 
-import asyncio
 import random
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
-from gateway.providers.base import (
-    Provider,
-    ProviderError,
-    UpstreamConnectError,
-    UpstreamReply,
-    UpstreamTimeoutError,
-)
+from gateway.config import ProviderConfig
+from gateway.providers.base import ProviderError
 
-__all__ = ["RETRYABLE_STATUSES", "RetryPolicy", "call_with_retries"]
+__all__ = ["RETRYABLE_STATUSES", "RetryPolicy", "is_failure_status", "may_resend"]
 
-RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+#: Statuses worth sending again (429 after its Retry-After; 529 is Anthropic's "overloaded").
+RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504, 529})
 
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
+    """How often and how patiently one deployment is retried within one call."""
+
     max_retries: int = 2
     base_delay: float = 0.1
     max_delay: float = 2.0
     #: Longest Retry-After honoured before giving up on this deployment.
     max_retry_after: float = 10.0
 
+    def retries_for(self, provider: ProviderConfig) -> int:
+        """The provider's own ``max_retries`` if set, else the gateway's."""
+        return self.max_retries if provider.max_retries is None else provider.max_retries
+
     def delay(self, attempt: int, retry_after: float | None) -> float:
+        """Seconds to wait before retry number ``attempt + 1``."""
         backoff = random.uniform(0, min(self.max_delay, self.base_delay * 2**attempt))
         if retry_after is not None:
             return max(backoff, retry_after)
         return backoff
 
 
-async def call_with_retries(
-    provider: Provider,
-    body: dict[str, Any],
-    *,
-    stream: bool,
-    headers: Mapping[str, str],
-    policy: RetryPolicy,
-    on_retry: Callable[[int, str], None] | None = None,
-) -> UpstreamReply:
-    """Call ``provider`` until an answer worth returning, or raise the last error.
+def is_failure_status(status: int) -> bool:
+    """Does this answer say the deployment is failing (408 or 5xx)? A 429 does not."""
+    return status == 408 or status >= 500
 
-    Returns the last reply even if its status is an error (the caller relays the
-    provider's own status and body); raises ProviderError if no reply came.
+
+def may_resend(exc: ProviderError, provider: ProviderConfig) -> bool:
+    """May a call that failed with ``exc`` be sent again, here or elsewhere?
+
+    Always when it provably never left (no connection); otherwise (a timeout, a
+    connection dropped after sending) only where the provider's ``retry_on_timeout``
+    allows, since the provider may have run and billed it.
     """
-    attempt = 0
-    while True:
-        try:
-            reply = await provider.chat(body, stream=stream, headers=headers)
-        except ProviderError as exc:
-            retryable = isinstance(exc, UpstreamConnectError) or (
-                isinstance(exc, UpstreamTimeoutError) and provider.config.retry_on_timeout
-            ) or not exc.maybe_delivered
-            if not retryable or attempt >= policy.max_retries:
-                raise
-            reason = type(exc).__name__
-            await asyncio.sleep(policy.delay(attempt, None))
-        else:
-            if reply.status not in RETRYABLE_STATUSES or attempt >= policy.max_retries:
-                return reply
-            retry_after = reply.retry_after
-            if retry_after is not None and retry_after > policy.max_retry_after:
-                return reply
-            await reply.release()
-            reason = str(reply.status)
-            await asyncio.sleep(policy.delay(attempt, retry_after))
-        attempt += 1
-        if on_retry is not None:
-            on_retry(attempt, reason)
+    return not exc.maybe_delivered or provider.retry_on_timeout

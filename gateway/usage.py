@@ -159,4 +159,6 @@ class CallRecord:
     ttft: float | None = None
     retries: int = 0
     failovers: int = 0
+    #: The fallback model name that served (or was tried last), when the group's own failed.
+    fallback_model: str | None = None
     error_type: str | None = None

@@ -37,4 +37,8 @@ def build_provider(
         from gateway.providers.openai import OpenAIProvider
 
         return OpenAIProvider(config, session, request_timeout=request_timeout)
+    if config.type == "anthropic":
+        from gateway.providers.anthropic import AnthropicProvider
+
+        return AnthropicProvider(config, session, request_timeout=request_timeout)
     raise ValueError(f"provider type {config.type!r} is not available yet")

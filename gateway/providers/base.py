@@ -16,16 +16,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 
 from gateway.config import ProviderConfig
 
 __all__ = [
     "Provider",
     "ProviderError",
+    "Timeouts",
     "UpstreamConnectError",
     "UpstreamProtocolError",
     "UpstreamReply",
     "UpstreamTimeoutError",
+    "client_timeout",
+    "fetch_model_ids",
     "map_transport_errors",
 ]
 
@@ -64,6 +68,22 @@ def map_transport_errors() -> Iterator[None]:
         raise UpstreamProtocolError(f"upstream body broken: {exc}") from exc
     except (aiohttp.ClientError, ConnectionError) as exc:
         raise UpstreamProtocolError(f"upstream connection failed: {type(exc).__name__}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """How patient one call is, resolved per route group (group → provider → global).
+
+    A whole answer must arrive within ``total``; a stream has no total (it may last long)
+    but may not stay silent longer than ``idle``, before its first chunk or between two.
+    """
+
+    #: Opening the TCP (and TLS) connection.
+    connect: float
+    #: A whole (non-streaming) call, from sending to the last byte.
+    total: float
+    #: The longest silence of a stream, first chunk included.
+    idle: float
 
 
 @dataclass(slots=True)
@@ -112,12 +132,26 @@ class Provider:
         self.name = config.name
         self.request_timeout = config.timeout or request_timeout
         self.idle_timeout = config.idle_timeout or request_timeout
+        #: What a call gets when its route group sets no timeouts of its own.
+        self.timeouts = Timeouts(config.connect_timeout, self.request_timeout, self.idle_timeout)
 
     async def chat(
-        self, body: dict[str, Any], *, stream: bool, headers: Mapping[str, str]
+        self,
+        body: dict[str, Any],
+        *,
+        stream: bool,
+        headers: Mapping[str, str],
+        timeouts: Timeouts | None = None,
     ) -> UpstreamReply:
-        """Send one chat call; for a 2xx stream, ``events`` yields OpenAI SSE events."""
+        """Send one chat call; for a 2xx stream, ``events`` yields OpenAI SSE events.
+
+        ``timeouts`` are the route group's (default: the provider's own).
+        """
         raise NotImplementedError
+
+    async def list_models(self) -> list[str]:
+        """Upstream model ids, for ``/v1/models`` under wildcard routes; [] if unknown."""
+        return []
 
     async def embeddings(self, body: dict[str, Any], *, headers: Mapping[str, str]) -> UpstreamReply:
         """Send one embeddings call (OpenAI shape)."""
@@ -130,3 +164,36 @@ class Provider:
 
     async def close(self) -> None:
         """Release what the provider holds beyond the shared session."""
+
+
+def client_timeout(timeouts: Timeouts, *, stream: bool) -> aiohttp.ClientTimeout:
+    """aiohttp's timeout for one call: a whole answer has a total, a stream an idle bound."""
+    if stream:
+        # A stream may last long; what must stay short is the silence between chunks.
+        return aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect, sock_read=timeouts.idle)
+    return aiohttp.ClientTimeout(total=timeouts.total, sock_connect=timeouts.connect)
+
+
+#: A model list is a convenience: never wait long for it.
+_LIST_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+
+
+async def fetch_model_ids(
+    session: aiohttp.ClientSession, url: str, headers: Mapping[str, str]
+) -> list[str]:
+    """The ``id`` of each entry of an OpenAI/Anthropic-shaped model list at ``url``.
+
+    Raises ProviderError when the provider cannot be reached or answers no such list.
+    """
+    with map_transport_errors():
+        async with session.get(url, headers=headers, timeout=_LIST_TIMEOUT) as resp:
+            payload = await resp.read()
+    if resp.status != 200:
+        raise UpstreamProtocolError(f"model list answered {resp.status}")
+    try:
+        data = orjson.loads(payload).get("data")
+    except (orjson.JSONDecodeError, AttributeError):
+        raise UpstreamProtocolError("model list is not JSON") from None
+    if not isinstance(data, list):
+        raise UpstreamProtocolError("model list has no data")
+    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from gateway import fake_llm
-from gateway.providers.base import Provider, UpstreamReply
+from gateway.providers.base import Provider, Timeouts, UpstreamReply
 
 __all__ = ["MockProvider"]
 
@@ -33,7 +33,12 @@ class MockProvider(Provider):
         self._ids = itertools.count(1)
 
     async def chat(
-        self, body: dict[str, Any], *, stream: bool, headers: Mapping[str, str]
+        self,
+        body: dict[str, Any],
+        *,
+        stream: bool,
+        headers: Mapping[str, str],
+        timeouts: Timeouts | None = None,
     ) -> UpstreamReply:
         response_id = f"chatcmpl-mock-{next(self._ids)}"
         created = int(time.time())
@@ -45,6 +50,9 @@ class MockProvider(Provider):
 
     async def embeddings(self, body: dict[str, Any], *, headers: Mapping[str, str]) -> UpstreamReply:
         return UpstreamReply(status=200, headers=_JSON, body=orjson.dumps(fake_llm.embeddings(body)))
+
+    async def list_models(self) -> list[str]:
+        return list(fake_llm.MODEL_IDS)
 
 
 async def _replay(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:

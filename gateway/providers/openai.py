@@ -14,7 +14,14 @@ import aiohttp
 import orjson
 
 from gateway.config import ProviderConfig
-from gateway.providers.base import Provider, UpstreamReply, map_transport_errors
+from gateway.providers.base import (
+    Provider,
+    Timeouts,
+    UpstreamReply,
+    client_timeout,
+    fetch_model_ids,
+    map_transport_errors,
+)
 from gateway.sse import iter_events
 
 __all__ = ["OpenAIProvider"]
@@ -35,13 +42,8 @@ class OpenAIProvider(Provider):
         self._headers: dict[str, str] = {"Content-Type": "application/json", **dict(config.headers)}
         if config.api_key:
             self._headers["Authorization"] = f"Bearer {config.api_key}"
-        self._whole_timeout = aiohttp.ClientTimeout(
-            total=self.request_timeout, sock_connect=config.connect_timeout
-        )
-        # A stream may last long; what must stay short is the silence between chunks.
-        self._stream_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.connect_timeout, sock_read=self.idle_timeout
-        )
+        self._whole_timeout = client_timeout(self.timeouts, stream=False)
+        self._stream_timeout = client_timeout(self.timeouts, stream=True)
         self._address = urlsplit(config.base_url).hostname
 
     @property
@@ -49,24 +51,34 @@ class OpenAIProvider(Provider):
         return self._address
 
     async def chat(
-        self, body: dict[str, Any], *, stream: bool, headers: Mapping[str, str]
+        self,
+        body: dict[str, Any],
+        *,
+        stream: bool,
+        headers: Mapping[str, str],
+        timeouts: Timeouts | None = None,
     ) -> UpstreamReply:
-        return await self._post(self._chat_url, orjson.dumps(body), stream=stream, headers=headers)
+        return await self._post(
+            self._chat_url, orjson.dumps(body), stream=stream, headers=headers, timeouts=timeouts
+        )
 
     async def embeddings(self, body: dict[str, Any], *, headers: Mapping[str, str]) -> UpstreamReply:
         return await self._post(self._embeddings_url, orjson.dumps(body), stream=False, headers=headers)
 
+    async def list_models(self) -> list[str]:
+        return await fetch_model_ids(self._session, f"{self.config.base_url}/models", self._headers)
+
     async def _post(
-        self, url: str, data: bytes, *, stream: bool, headers: Mapping[str, str]
+        self, url: str, data: bytes, *, stream: bool, headers: Mapping[str, str],
+        timeouts: Timeouts | None = None,
     ) -> UpstreamReply:
         send_headers = {**self._headers, **headers} if headers else self._headers
+        if timeouts is None:
+            timeout = self._stream_timeout if stream else self._whole_timeout
+        else:
+            timeout = client_timeout(timeouts, stream=stream)
         with map_transport_errors():
-            resp = await self._session.post(
-                url,
-                data=data,
-                headers=send_headers,
-                timeout=self._stream_timeout if stream else self._whole_timeout,
-            )
+            resp = await self._session.post(url, data=data, headers=send_headers, timeout=timeout)
         try:
             content_type = resp.headers.get("Content-Type", "")
             if stream and resp.status < 300 and content_type.startswith("text/event-stream"):

@@ -1,0 +1,194 @@
+"""The breaker actor on its own (real runtime) and in front of fake providers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from actors.breaker import Admission, BreakerActor, BreakerHandle, CircuitState, Outcome
+from actors.runtime import Supervisor
+from gateway.config import BreakerSettings
+from tests.conftest import auth, chat_body
+from tests.fleet import fleet_config, records, served_by
+
+DEP = "p/m"
+
+
+@pytest.fixture
+async def breaker() -> AsyncIterator[tuple[BreakerActor, BreakerHandle]]:
+    supervisor = Supervisor()
+    actor = BreakerActor(BreakerSettings(fail_max=3, reset_timeout=0.2, idle_purge=0.2), sweep_seconds=0.1)
+    ref = await supervisor.start(actor)
+    yield actor, BreakerHandle(actor, ref)
+    await supervisor.stop()
+
+
+async def settle(handle: BreakerHandle) -> None:
+    """Let the actor drain the tells sent so far (an ask queues behind them)."""
+    await handle.permit("settle/none", 1.0)
+
+
+async def open_circuit(handle: BreakerHandle, dep: str = DEP) -> None:
+    for _ in range(3):
+        handle.report(dep, Outcome.FAILURE)
+    await settle(handle)
+    assert handle.health(dep).state is CircuitState.OPEN
+
+
+async def test_opens_after_fail_max_consecutive_failures(breaker: Any) -> None:
+    _, handle = breaker
+    for outcome in (Outcome.FAILURE, Outcome.FAILURE, Outcome.SUCCESS, Outcome.FAILURE, Outcome.FAILURE):
+        handle.report(DEP, outcome)
+    await settle(handle)
+    assert handle.health(DEP).state is CircuitState.CLOSED  # a success resets the count
+    assert handle.admission(DEP)[0] is Admission.PASS
+    handle.report(DEP, Outcome.FAILURE)
+    await settle(handle)
+    admission, wait = handle.admission(DEP)
+    assert admission is Admission.WAIT and 0 < wait <= 0.2
+
+
+async def test_half_open_grants_exactly_one_probe_among_20(breaker: Any) -> None:
+    _, handle = breaker
+    await open_circuit(handle)
+    await asyncio.sleep(0.25)
+    assert handle.admission(DEP)[0] is Admission.PROBE
+    answers = await asyncio.gather(*(handle.permit(DEP, 5.0) for _ in range(20)))
+    probes = [(p, token) for p, token in answers if p.granted]
+    assert len(probes) == 1 and probes[0][0].probe
+    assert all(p.retry_after > 0 for p, _ in answers if not p.granted)
+    assert handle.admission(DEP)[0] is Admission.WAIT  # the others see it without asking
+    # The probe succeeds: closed, and everyone passes again.
+    handle.report(DEP, Outcome.SUCCESS, token=probes[0][1], latency=0.01)
+    await settle(handle)
+    assert handle.health(DEP).state is CircuitState.CLOSED
+    assert handle.admission(DEP)[0] is Admission.PASS
+
+
+async def test_a_failed_probe_reopens_and_an_unused_one_returns(breaker: Any) -> None:
+    _, handle = breaker
+    await open_circuit(handle)
+    await asyncio.sleep(0.25)
+    permission, token = await handle.permit(DEP, 5.0)
+    assert permission.probe
+    handle.report(DEP, Outcome.NEUTRAL, token=token)  # its caller went away
+    await settle(handle)
+    assert handle.admission(DEP)[0] is Admission.PROBE
+    permission, token = await handle.permit(DEP, 5.0)
+    assert permission.probe
+    # A report from an ordinary late call is no probe outcome.
+    handle.report(DEP, Outcome.SUCCESS)
+    await settle(handle)
+    assert handle.health(DEP).state is CircuitState.HALF_OPEN
+    handle.report(DEP, Outcome.FAILURE, token=token)
+    await settle(handle)
+    assert handle.health(DEP).state is CircuitState.OPEN
+
+
+async def test_a_lost_probe_is_reclaimed_after_its_lease(breaker: Any) -> None:
+    _, handle = breaker
+    await open_circuit(handle)
+    await asyncio.sleep(0.25)
+    first, _ = await handle.permit(DEP, 0.1)
+    assert first.probe and not (await handle.permit(DEP, 0.1))[0].granted
+    await asyncio.sleep(0.15)
+    assert (await handle.permit(DEP, 0.1))[0].probe
+
+
+async def test_cancellations_never_count(breaker: Any) -> None:
+    _, handle = breaker
+    for _ in range(10):
+        handle.report(DEP, Outcome.NEUTRAL)
+    await settle(handle)
+    assert handle.health(DEP).state is CircuitState.CLOSED and handle.health(DEP).failures == 0
+
+
+async def test_rate_limit_cools_without_counting_and_idle_entries_go(breaker: Any) -> None:
+    actor, handle = breaker
+    handle.report(DEP, Outcome.FAILURE)
+    handle.report(DEP, Outcome.RATE_LIMITED, retry_after=0.1)
+    await settle(handle)
+    health = handle.health(DEP)
+    assert health.state is CircuitState.CLOSED and health.failures == 0
+    assert handle.admission(DEP)[0] is Admission.WAIT
+    await asyncio.sleep(0.15)
+    assert handle.admission(DEP)[0] is Admission.PASS
+    # Unused past idle_purge, the entry goes with a periodic sweep (an open one would stay).
+    for _ in range(50):
+        if handle.health(DEP) is None:
+            break
+        await asyncio.sleep(0.05)
+    assert handle.health(DEP) is None
+    await open_circuit(handle, "other/m")
+    assert actor.purge_idle(asyncio.get_running_loop().time() + 10) == 0
+
+
+# ----------------------------------------------------------------------------- over loopback
+BREAKER = {"fail_max": 2, "reset_timeout_seconds": 0.3}
+
+
+async def test_breaker_opens_probes_once_under_20_callers_and_closes(gateway_factory: Any, fake_factory: Any, api_key: str) -> None:
+    fake = await fake_factory()
+    gw = await gateway_factory(env={"UPSTREAM_MAX_RETRIES": "0"}, config_yaml=fleet_config(
+        {"a": fake}, [{"name": "m", "deployments": [{"provider": "a", "model": "m"}]}], circuit_breaker=BREAKER))
+    await fake.script({"status": 500}, {"status": 500})
+    for _ in range(2):
+        assert (await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))).status == 500
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))
+    assert resp.status == 503 and (await resp.json())["error"]["code"] == "circuit_open"
+    assert resp.headers["Retry-After"] == "1"
+    assert await served_by(fake) == [2]  # open: the provider is left alone
+    (status,) = gw.state.deployment_health()
+    assert status.state is CircuitState.OPEN and status.to_dict()["circuit_state_value"] == 2
+    await asyncio.sleep(0.35)
+    assert gw.state.deployment_health()[0].state is CircuitState.HALF_OPEN
+    await fake.script({"delay_ms": 300})  # the probe takes a while; 19 others arrive meanwhile
+    answers = await asyncio.gather(*(
+        gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key)) for _ in range(20)))
+    statuses = sorted(r.status for r in answers)
+    assert statuses == [200] + [503] * 19
+    assert await served_by(fake) == [3]
+    assert gw.state.deployment_health()[0].state is CircuitState.CLOSED
+    assert (await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))).status == 200
+
+
+async def test_client_disconnects_do_not_open_it_and_return_the_probe(
+    gateway_factory: Any, fake_factory: Any, api_key: str
+) -> None:
+    fake = await fake_factory()
+    gw = await gateway_factory(env={"UPSTREAM_MAX_RETRIES": "0"}, config_yaml=fleet_config(
+        {"a": fake}, [{"name": "m", "deployments": [{"provider": "a", "model": "m"}]}], circuit_breaker=BREAKER))
+    calls = records(gw)
+
+    async def hang_up(stream: bool = False) -> None:
+        finished = len(calls)
+        await fake.script({"hang": True})
+        async with aiohttp.ClientSession() as session:
+            with pytest.raises(asyncio.TimeoutError):
+                await session.post(gw.url("/v1/chat/completions"), json=chat_body(model="m", stream=stream),
+                                   headers=auth(api_key), timeout=aiohttp.ClientTimeout(total=0.3))
+        for _ in range(100):  # the handler sees the disconnect and cancels the upstream call
+            if len(calls) > finished:
+                break
+            await asyncio.sleep(0.02)
+
+    for stream in (False, True, False, True):
+        await hang_up(stream)
+    assert [c.outcome for c in calls] == ["cancelled"] * 4
+    assert gw.state.breaker.health("a/m").state is CircuitState.CLOSED
+    assert gw.state.breaker.health("a/m").failures == 0
+    assert (await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))).status == 200
+    # Open it, let the probe's caller hang up: the probe returns, the next caller probes.
+    await fake.script({"status": 500}, {"status": 500})
+    for _ in range(2):
+        await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))
+    await asyncio.sleep(0.35)
+    await hang_up()
+    assert gw.state.breaker.health("a/m").state is CircuitState.HALF_OPEN
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))
+    assert resp.status == 200
+    assert gw.state.breaker.health("a/m").state is CircuitState.CLOSED
