@@ -87,6 +87,8 @@ def _int(body: Mapping[str, Any], name: str, *, nullable: bool, low: int = 1, hi
     value = body[name]
     if value is None and nullable:
         return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON Schema counts 5.0 as an integer, and so do we
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         null = " or null" if nullable else ""
         raise _field_error(name, f"a whole number from {low} to {high}{null}")

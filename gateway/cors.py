@@ -150,8 +150,8 @@ class CorsPolicy:
         origin = request.headers.get("Origin")
         if origin is None:
             return
-        if "Access-Control-Allow-Methods" in response.headers:
-            return  # a preflight answer: already complete
+        if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            return  # a preflight: its answer is complete (and a refusal must stay bare)
         if not self.allow_any_origin:
             _vary_on_origin(response)
         if not self.origin_allowed(origin):

@@ -423,6 +423,18 @@ _CHAT_REQUEST = {
         "stream": {"type": "boolean"},
     },
 }
+#: One server-sent event of a relayed stream (each event is described, as OpenAPI 3.2 does).
+_CHAT_EVENT = {
+    "type": "object", "required": ["data"],
+    "properties": {
+        "data": {
+            "type": "string",
+            "description": "a chat.completion.chunk object as JSON; [DONE] last; or one {\"error\": ...} if the upstream failed mid-stream",
+        },
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+    },
+}
 _EMBEDDINGS_REQUEST = {
     "type": "object", "required": ["model", "input"],
     "properties": {"model": {"type": "string", "minLength": 1}, "input": {}},
@@ -475,7 +487,7 @@ def data_plane_document() -> dict[str, Any]:
                 "responses": {
                     "200": {
                         "description": "the provider's answer, or with stream true an SSE stream ending data: [DONE]",
-                        "content": {JSON: {"schema": {"type": "object"}}, "text/event-stream": {"schema": {"type": "string"}}},
+                        "content": {JSON: {"schema": {"type": "object"}}, "text/event-stream": {"schema": _ref("ChatCompletionEvent")}},
                     },
                     "400": _error("malformed body (invalid_json, invalid_model, invalid_messages, invalid_stream)"),
                     **_KEY_ERRORS, **_UPSTREAM_ERRORS, **_PROVIDER_ANSWER,
@@ -503,7 +515,7 @@ def data_plane_document() -> dict[str, Any]:
             },
             "schemas": {
                 "Error": _ERROR_SCHEMA, "Health": _HEALTH, "Ready": _READY,
-                "ChatCompletionRequest": _CHAT_REQUEST, "EmbeddingRequest": _EMBEDDINGS_REQUEST,
+                "ChatCompletionRequest": _CHAT_REQUEST, "ChatCompletionEvent": _CHAT_EVENT, "EmbeddingRequest": _EMBEDDINGS_REQUEST,
                 "ModelList": _MODEL_LIST,
             },
         },

@@ -410,7 +410,7 @@ async def test_rotation_with_grace_keeps_both_until_it_ends(admin_gateway: Gatew
 
 
 async def test_cli_and_api_share_one_store(admin_gateway: Gateway, key_factory: Any) -> None:
-    raw, record = await key_factory(name="from-cli-store")
+    _raw, record = await key_factory(name="from-cli-store")
     resp = await admin_gateway.management.get(f"/admin/keys/{record.api_key_id}", headers=ADMIN)
     assert (await resp.json())["name"] == "from-cli-store"
 
