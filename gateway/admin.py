@@ -41,7 +41,15 @@ from gateway.admin_input import (
     read_admin_body,
 )
 from gateway.audit import AuditLog
-from gateway.errors import AdminDisabled, AdminUnauthorized, Conflict, InvalidRequest, NotFound
+from gateway.db import CONNECTION_ERRORS
+from gateway.errors import (
+    AdminDisabled,
+    AdminUnauthorized,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    ServiceUnavailable,
+)
 from gateway.keys import KeyNotFound, KeyPolicy, KeyRecord, KeyStateError, KeyStore
 from gateway.middleware import request_id_of
 from gateway.state import STATE
@@ -117,14 +125,21 @@ def admin_guard(auth: AdminAuth) -> Middleware:
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         resource = request.match_info.route.resource
-        if resource is not None and resource.canonical.startswith(ADMIN_PREFIX):
-            try:
-                request[ADMIN_ACTOR] = auth.check(request.headers.get("Authorization"))
-            except AdminUnauthorized:
-                log.warning("admin request refused (bad token) from %s: %s %s",
-                            request.remote, request.method, resource.canonical)
-                raise
-        return await handler(request)
+        if resource is None or not resource.canonical.startswith(ADMIN_PREFIX):
+            return await handler(request)
+        try:
+            request[ADMIN_ACTOR] = auth.check(request.headers.get("Authorization"))
+        except AdminUnauthorized:
+            log.warning("admin request refused (bad token) from %s: %s %s",
+                        request.remote, request.method, resource.canonical)
+            raise
+        try:
+            return await handler(request)
+        except CONNECTION_ERRORS as exc:
+            # Every admin route reads or writes PostgreSQL: while it is away, say so and
+            # when to retry, rather than a bare 500. Nothing was changed (one transaction).
+            log.warning("admin request %s failed: database unavailable (%r)", request_id_of(request), exc)
+            raise ServiceUnavailable("database unavailable", code="database_unavailable", retry_after=1) from None
 
     return guard
 

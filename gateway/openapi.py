@@ -267,6 +267,7 @@ _PROVIDERS = {
 _ADMIN_ERRORS = {
     "401": _error("missing or wrong admin token (invalid_admin_token)"),
     "403": _error("no ADMIN_TOKEN configured: admin API disabled (admin_disabled)"),
+    "503": _error("PostgreSQL is unreachable (database_unavailable); nothing was changed; Retry-After"),
 }
 _BAD_REQUEST = {"400": _error("invalid_json, unknown_field, missing_field, invalid_field or invalid_query")}
 _TOO_LARGE = {"413": _error("body over the limit (request_too_large)")}

@@ -261,3 +261,51 @@ async def test_providers_lists_deployments_without_secrets(
         # Until the breakers report, health is honestly unknown.
         assert d["circuit_state"] == "unknown"
         assert d["latency_ms"] is None and d["error_rate"] is None and d["recent_requests"] is None
+
+
+# -- database outage ----------------------------------------------------------------
+async def test_admin_api_answers_503_while_the_database_is_away(
+    database_url: str, pg_proxy: Any, fake: FakeUpstream, tmp_path: Any
+) -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from gateway.app import build_management_app, gateway_state
+    from gateway.config import load_config
+    from tests.conftest import via_proxy
+
+    path = tmp_path / "gateway.yaml"
+    path.write_text(config_for(fake.url))
+    environ = {"ADMIN_TOKEN": ADMIN_TOKEN, "GATEWAY_CONFIG": str(path)}
+    settings = load_settings(environ)
+    async with gateway_state(settings, load_config(settings, environ), via_proxy(database_url, pg_proxy.port)) as state:
+        client = TestClient(TestServer(build_management_app(state), host="127.0.0.1"))
+        await client.start_server()
+        try:
+            subject = str(uuid.uuid4())
+            resp = await client.post("/admin/keys", json={"name": "before", "subject_id": subject}, headers=ADMIN)
+            assert resp.status == 201
+            await pg_proxy.cut()
+            for method, path_, body in [("GET", "/admin/keys", None), ("POST", "/admin/keys", {"name": "during", "subject_id": subject}),
+                                        ("GET", "/admin/audit", None)]:
+                resp = await client.request(method, path_, json=body, headers=ADMIN)
+                assert resp.status == 503, (method, path_, await resp.text())
+                assert (await resp.json())["error"]["code"] == "database_unavailable"
+                assert resp.headers["Retry-After"] == "1"
+            # Health and the provider listing need no database.
+            assert (await client.get("/healthz")).status == 200
+            assert (await client.get("/admin/providers", headers=ADMIN)).status == 200
+            await pg_proxy.restore()
+
+            async def back() -> bool:
+                r = await client.get("/admin/keys", params={"subject_id": subject}, headers=ADMIN)
+                return r.status == 200
+
+            for _ in range(100):
+                if await back():
+                    break
+                await asyncio.sleep(0.1)
+            names = [k["name"] for k in (await (await client.get(
+                "/admin/keys", params={"subject_id": subject}, headers=ADMIN)).json())["data"]]
+            assert names == ["before"]
+        finally:
+            await client.close()
