@@ -59,6 +59,8 @@ __all__ = ["ADMIN_ACTOR", "AdminAuth", "add_admin_routes", "admin_body_limit", "
 log = logging.getLogger("gateway.admin")
 
 ADMIN_PREFIX = "/admin/"
+#: Below this an admin token is logged as weak (e.g. ``openssl rand -hex 32`` gives 64).
+MIN_TOKEN_LEN = 16
 #: Who is acting, set by the guard on every admin request (the audit trail's "actor").
 ADMIN_ACTOR = web.RequestKey("admin_actor", str)
 #: A key is addressed by its id or its 12-character prefix, never by the raw key.
@@ -90,6 +92,9 @@ class AdminAuth:
 
     def __init__(self, token: str | None, name: str | None = None) -> None:
         if token:
+            if len(token) < MIN_TOKEN_LEN:
+                # Still accepted (the operator chose it), but a guessable token guards every key.
+                log.warning("ADMIN_TOKEN is shorter than %d characters: use a long random token", MIN_TOKEN_LEN)
             digest = hashlib.sha256(token.encode("utf-8", "surrogatepass"))
             self._digest: bytes | None = digest.digest()
             self.actor = name or f"token:{digest.hexdigest()[:12]}"
