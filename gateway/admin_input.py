@@ -21,7 +21,15 @@ from aiohttp import web
 from gateway.audit import ACTIONS
 from gateway.chat import read_json_body
 from gateway.errors import InvalidRequest
-from gateway.keys import BUDGET_PERIODS, KEY_STATES, MAX_BUDGET_USD, MAX_INT, MAX_NAME_LEN, UNCHANGED, Unchanged
+from gateway.keys import (
+    BUDGET_PERIODS,
+    KEY_STATES,
+    MAX_BUDGET_USD,
+    MAX_INT,
+    MAX_NAME_LEN,
+    UNCHANGED,
+    Unchanged,
+)
 
 __all__ = [
     "ADMIN_BODY_LIMIT",
