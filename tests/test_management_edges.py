@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from gateway.config import ConfigError, load_settings
-from tests.conftest import REPO, FakeUpstream, Gateway, auth, chat_body, config_for
+from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for
 
 ADMIN_TOKEN = "edge-admin-token-abcdef0123456789"
 ADMIN = auth(ADMIN_TOKEN)
@@ -139,8 +139,7 @@ def test_wildcard_management_origin_is_refused_by_settings() -> None:
 async def test_serve_refuses_a_wildcard_management_origin_with_one_clear_line(
     process_factory: Callable[..., Any]
 ) -> None:
-    # PYTHONPATH: the source tree, whether or not the package is installed.
-    gp = await process_factory(env={"MANAGEMENT_CORS_ORIGINS": "*", "PYTHONPATH": str(REPO)}, ready=False)
+    gp = await process_factory(env={"MANAGEMENT_CORS_ORIGINS": "*"}, ready=False)
     code = await asyncio.to_thread(gp.wait, 30)
     assert code == 2
     lines = [line for line in gp.log().splitlines() if line.strip()]
