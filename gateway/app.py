@@ -18,8 +18,9 @@ from aiohttp import web
 from actors.auth import AuthActor, AuthHandle
 from actors.breaker import BreakerActor, BreakerHandle
 from actors.runtime import Supervisor
-from gateway import chat, dataplane
+from gateway import admin, chat, dataplane, openapi
 from gateway.config import ConfigError, GatewayConfig, Settings
+from gateway.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
 from gateway.db import connect_pool, migrate
 from gateway.keys import KeyStore
 from gateway.middleware import error_middleware, security_headers
@@ -99,10 +100,19 @@ async def gateway_state(
 
 def build_data_app(state: GatewayState) -> web.Application:
     """The data plane: health, readiness, chat, models, embeddings."""
+    # Any request header may be asked for (OpenAI SDKs send many); no credentials ride on CORS.
+    cors = CorsPolicy(
+        state.settings.cors_origins, allow_methods=("GET", "POST"), allow_headers=None,
+        expose_headers=DATA_PLANE_EXPOSED,
+    )
     # The body limit is enforced by our reader; aiohttp's own cap sits just above it.
-    app = web.Application(middlewares=[error_middleware], client_max_size=state.settings.body_limit + 1024)
+    app = web.Application(
+        middlewares=[cors.middleware, error_middleware], client_max_size=state.settings.body_limit + 1024
+    )
     app[STATE] = state
     app.on_response_prepare.append(security_headers({}))
+    app.on_response_prepare.append(cors.on_prepare)
+    app.router.add_get("/openapi.json", openapi.document_handler(openapi.data_plane_document()))
     app.router.add_get("/healthz", dataplane.healthz)
     app.router.add_get("/readyz", dataplane.readyz)
     app.router.add_post("/v1/chat/completions", chat.chat_completions)
@@ -112,9 +122,23 @@ def build_data_app(state: GatewayState) -> web.Application:
 
 
 def build_management_app(state: GatewayState) -> web.Application:
-    """The management plane: health (admin routes and /metrics join it)."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=state.settings.body_limit)
+    """The management plane: health, the admin API, its OpenAPI document (/metrics joins it)."""
+    settings = state.settings
+    # No origin unless MANAGEMENT_CORS_ORIGINS lists it ('*' is refused by load_settings).
+    cors = CorsPolicy(
+        settings.management_cors_origins, allow_methods=("GET", "POST", "PATCH"),
+        allow_headers=MANAGEMENT_REQUEST_HEADERS, expose_headers=("x-request-id",),
+    )
+    app = web.Application(
+        middlewares=[cors.middleware, error_middleware, admin.admin_guard(
+            admin.AdminAuth(settings.admin_token, settings.admin_token_name)
+        )],
+        client_max_size=admin.admin_body_limit(settings.body_limit) + 1024,
+    )
     app[STATE] = state
     app.on_response_prepare.append(security_headers(MANAGEMENT_HEADERS))
+    app.on_response_prepare.append(cors.on_prepare)
     app.router.add_get("/healthz", dataplane.healthz)
+    app.router.add_get("/openapi.json", openapi.document_handler(openapi.management_document()))
+    admin.add_admin_routes(app.router)
     return app

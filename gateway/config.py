@@ -54,6 +54,8 @@ class Settings:
     venice_api_key: str | None = None
     venice_base_url: str = DEFAULT_VENICE_BASE_URL
     admin_token: str | None = None
+    #: Who the admin token is in the audit trail; None: a fingerprint of the token.
+    admin_token_name: str | None = None
     request_timeout: float = 120.0
     body_limit: int = 1_048_576
     upstream_max_retries: int = 2
@@ -111,9 +113,17 @@ def _bool(environ: Mapping[str, str], name: str) -> bool:
     raise ConfigError(f"{name}: expected true or false, got {raw!r}")
 
 
+#: A browser's Origin: scheme://host[:port], no path (a trailing "/" would never match).
+_ORIGIN = re.compile(r"https?://[^/\s,]+")
+
+
 def _origins(environ: Mapping[str, str], name: str, default: str) -> tuple[str, ...]:
     raw = environ.get(name, default)
-    return tuple(o.strip() for o in raw.split(",") if o.strip())
+    origins = tuple(o.strip() for o in raw.split(",") if o.strip())
+    for origin in origins:
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            raise ConfigError(f"{name}: expected '*' or origins like https://app.example.com, got {origin!r}")
+    return origins
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
@@ -153,6 +163,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         venice_api_key=_env(env, "VENICE_API_KEY"),
         venice_base_url=env.get("VENICE_BASE_URL") or DEFAULT_VENICE_BASE_URL,
         admin_token=_env(env, "ADMIN_TOKEN"),
+        admin_token_name=env.get("ADMIN_TOKEN_NAME") or None,
         request_timeout=_number(env, "REQUEST_TIMEOUT_SECONDS", 120.0, integer=False, minimum=0.001),
         body_limit=_number(env, "REQUEST_BODY_LIMIT_BYTES", 1_048_576, integer=True, minimum=1),
         upstream_max_retries=_number(

@@ -12,7 +12,12 @@
     ├── ServiceUnavailable          503 (Retry-After)
     │   ├── CircuitOpen             503 circuit_open
     │   └── Overloaded              503 overloaded
-    └── UpstreamTimeout             504 upstream_timeout
+    ├── UpstreamTimeout             504 upstream_timeout
+    │   (the management plane's own:)
+    ├── AdminUnauthorized           401 invalid_admin_token (WWW-Authenticate: Bearer)
+    ├── AdminDisabled               403 admin_disabled (no ADMIN_TOKEN configured)
+    ├── NotFound                    404 not_found (code varies: key_not_found, ...)
+    └── Conflict                    409 conflict (code varies: key_state_conflict, ...)
 
 Every one renders to ``{"error": {"message", "type", "code"}}`` in one place:
 :meth:`GatewayError.to_response`. An error answered by a provider is not a
@@ -28,13 +33,17 @@ import orjson
 from aiohttp import web
 
 __all__ = [
+    "AdminDisabled",
+    "AdminUnauthorized",
     "AuthenticationFailed",
     "BudgetExceeded",
     "CircuitOpen",
+    "Conflict",
     "GatewayError",
     "InvalidRequest",
     "ModelNotAllowed",
     "ModelNotFound",
+    "NotFound",
     "Overloaded",
     "RateLimited",
     "RequestTooLarge",
@@ -193,3 +202,42 @@ class Overloaded(ServiceUnavailable):
 
     code = "overloaded"
     default_message = "gateway overloaded"
+
+
+class AdminUnauthorized(GatewayError):
+    """The admin token is missing or wrong (one answer for both)."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_admin_token"
+    default_message = "invalid admin token"
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="llm-gateway admin"'})
+
+
+class AdminDisabled(GatewayError):
+    """No ``ADMIN_TOKEN`` is configured: the admin API is off."""
+
+    status = 403
+    type = "permission_error"
+    code = "admin_disabled"
+    default_message = "admin API disabled"
+
+
+class NotFound(GatewayError):
+    """The addressed thing (a key, ...) does not exist; ``code`` says what."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+    default_message = "not found"
+
+
+class Conflict(GatewayError):
+    """The thing exists but its state forbids the change; ``code`` says why."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+    default_message = "conflict with the current state"

@@ -6,13 +6,15 @@ characters (the lookup prefix) and the SHA-256 of the whole key are stored.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import secrets
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeAlias
 
 import asyncpg
 
@@ -22,8 +24,10 @@ __all__ = [
     "KeyNotFound",
     "KeyPolicy",
     "KeyRecord",
+    "KeyStateError",
     "KeyStore",
     "UNCHANGED",
+    "Unchanged",
     "generate_key",
     "hash_key",
 ]
@@ -34,6 +38,24 @@ KEY_MARK = "llmg_"
 DEV_KEY = "llmg_dev_0123456789abcdef"
 
 BUDGET_PERIODS = ("day", "month", "total")
+#: Largest value of an ``integer`` column, and the bound of ``numeric(14, 6)``.
+MAX_INT = 2**31 - 1
+MAX_BUDGET_USD = Decimal("99999999.999999")
+#: A key's name is a label: short, and never NUL (which PostgreSQL text cannot hold).
+MAX_NAME_LEN = 200
+#: What ``KeyRecord.state`` may say, and what ``KeyStore.list(state=...)`` filters on.
+KEY_STATES = ("active", "revoked", "expired")
+
+#: SQL for each state, the same rule as ``KeyRecord.state`` (revoked wins over expired).
+_STATE_CLAUSES = {
+    "active": "(is_active AND revoked_at IS NULL AND (expires_at IS NULL OR expires_at > now()))",
+    "revoked": "(NOT is_active OR revoked_at IS NOT NULL)",
+    "expired": "(is_active AND revoked_at IS NULL AND expires_at <= now())",
+}
+
+#: Where KeyStore runs its queries: the pool, or one connection (inside a caller's
+#: transaction, so the admin API can write a key change and its audit row atomically).
+Database: TypeAlias = asyncpg.Pool | asyncpg.Connection | asyncpg.pool.PoolConnectionProxy
 
 
 class _Unchanged:
@@ -41,10 +63,22 @@ class _Unchanged:
 
 
 UNCHANGED = _Unchanged()
+#: The type of UNCHANGED, for callers that pass an update through (the admin API).
+Unchanged = _Unchanged
 
 
 class KeyNotFound(LookupError):
     """No key has that id or prefix."""
+
+
+class KeyStateError(ValueError):
+    """The key's state forbids the change (rotating a revoked or expired key)."""
+
+
+def _check_name(name: str) -> None:
+    # PostgreSQL text cannot hold NUL; a name is a label, so it is also kept short.
+    if not name.strip() or "\x00" in name or len(name) > MAX_NAME_LEN:
+        raise ValueError(f"name must be 1 to {MAX_NAME_LEN} characters, not blank")
 
 
 def generate_key() -> str:
@@ -70,17 +104,23 @@ class KeyPolicy:
     allowed_models: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        # The bounds are the columns' own: a value past them must be a clear error
+        # here, not a database error later.
         for name in ("rate_limit_requests", "rate_limit_window_seconds"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
+            if not 0 < getattr(self, name) <= MAX_INT:
+                raise ValueError(f"{name} must be between 1 and {MAX_INT}")
         for name in ("tokens_per_minute", "max_concurrent"):
             value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.budget_usd is not None and self.budget_usd < 0:
-            raise ValueError("budget_usd must not be negative")
+            if value is not None and not 0 < value <= MAX_INT:
+                raise ValueError(f"{name} must be between 1 and {MAX_INT}")
+        if self.budget_usd is not None and not 0 <= self.budget_usd <= MAX_BUDGET_USD:
+            raise ValueError(f"budget_usd must be between 0 and {MAX_BUDGET_USD}")
         if self.budget_period is not None and self.budget_period not in BUDGET_PERIODS:
             raise ValueError("budget_period must be day, month or total")
+        if self.allowed_models is not None:
+            for model in self.allowed_models:
+                if not model or "\x00" in model:
+                    raise ValueError("allowed_models must hold non-empty model names")
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +211,18 @@ class KeyStore:
     evict the key within milliseconds.
     """
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self._pool = pool
+    def __init__(self, db: Database) -> None:
+        self._db = db
+
+    @contextlib.asynccontextmanager
+    async def _transaction(self) -> AsyncIterator[asyncpg.Connection]:
+        """A transaction: a fresh one on a pooled connection, or a savepoint in the caller's."""
+        if isinstance(self._db, asyncpg.Pool):
+            async with self._db.acquire() as conn, conn.transaction():
+                yield conn
+        else:
+            async with self._db.transaction():
+                yield self._db
 
     async def create(
         self,
@@ -181,15 +231,21 @@ class KeyStore:
         subject_id: uuid.UUID | None = None,
         policy: KeyPolicy | None = None,
         expires_in: timedelta | None = None,
+        expires_at: datetime | None = None,
         raw_key: str | None = None,
     ) -> tuple[str, KeyRecord]:
-        """Insert a new key; returns the raw key (shown once) and its record."""
-        if not name.strip():
-            raise ValueError("name must not be empty")
+        """Insert a new key; returns the raw key (shown once) and its record.
+
+        The expiry is given either relative (``expires_in``) or absolute (``expires_at``).
+        """
+        _check_name(name)
+        if expires_in is not None and expires_at is not None:
+            raise ValueError("give expires_in or expires_at, not both")
         policy = policy or KeyPolicy()
         raw = raw_key or generate_key()
-        expires_at = datetime.now(timezone.utc) + expires_in if expires_in else None
-        row = await self._pool.fetchrow(
+        if expires_in:
+            expires_at = datetime.now(timezone.utc) + expires_in
+        row = await self._db.fetchrow(
             f"""INSERT INTO api_keys (subject_id, name, key_prefix, key_hash, rate_limit_requests,
                 rate_limit_window_seconds, tokens_per_minute, max_concurrent, budget_usd,
                 budget_period, allowed_models, expires_at)
@@ -206,7 +262,7 @@ class KeyStore:
 
     async def ensure(self, raw: str, name: str) -> bool:
         """Insert ``raw`` as a key unless its prefix exists; True if inserted."""
-        result = await self._pool.execute(
+        result = await self._db.execute(
             """INSERT INTO api_keys (subject_id, name, key_prefix, key_hash)
             VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING""",
             uuid.uuid4(), name, raw[:KEY_PREFIX_LEN], hash_key(raw),
@@ -215,24 +271,36 @@ class KeyStore:
 
     async def list(
         self, *, subject_id: uuid.UUID | None = None, state: str | None = None,
-        limit: int = 1000, offset: int = 0,
+        limit: int = 1000, offset: int = 0, after: uuid.UUID | None = None,
     ) -> list[KeyRecord]:
-        """Keys, newest first, optionally filtered by subject and state."""
-        rows = await self._pool.fetch(
-            f"""SELECT {KEY_COLUMNS} FROM api_keys
-            WHERE ($1::uuid IS NULL OR subject_id = $1)
-            ORDER BY created_at DESC, api_key_id LIMIT $2 OFFSET $3""",
-            subject_id, limit if state is None else 1_000_000, offset if state is None else 0,
-        )
-        records = [KeyRecord.from_row(r) for r in rows]
-        if state is not None:
-            records = [r for r in records if r.state == state][offset : offset + limit]
-        return records
+        """Keys, newest first, optionally filtered by subject and state.
 
-    async def get(self, id_or_prefix: str) -> KeyRecord:
-        """The key whose id or 12-character prefix (or whole raw key) is given."""
-        row = await self._pool.fetchrow(
-            f"SELECT {KEY_COLUMNS} FROM api_keys WHERE {self._match_clause(id_or_prefix)}",
+        Pages either by ``offset`` or, stable under concurrent inserts, by ``after``: the
+        id of the last key of the previous page (keys older than it come next; an
+        unknown id gives an empty page).
+        """
+        if state is not None and state not in _STATE_CLAUSES:
+            raise ValueError(f"state must be one of {', '.join(KEY_STATES)}")
+        state_clause = _STATE_CLAUSES[state] if state is not None else "true"
+        rows = await self._db.fetch(
+            f"""SELECT {KEY_COLUMNS} FROM api_keys
+            WHERE ($1::uuid IS NULL OR subject_id = $1) AND {state_clause}
+              AND ($4::uuid IS NULL OR (created_at, api_key_id) <
+                   (SELECT created_at, api_key_id FROM api_keys WHERE api_key_id = $4))
+            ORDER BY created_at DESC, api_key_id DESC LIMIT $2 OFFSET $3""",
+            subject_id, limit, offset, after,
+        )
+        return [KeyRecord.from_row(r) for r in rows]
+
+    async def get(self, id_or_prefix: str, *, for_update: bool = False) -> KeyRecord:
+        """The key whose id or 12-character prefix (or whole raw key) is given.
+
+        ``for_update`` locks the row until the caller's transaction ends (only useful on
+        a store bound to a connection inside a transaction).
+        """
+        lock = " FOR UPDATE" if for_update else ""
+        row = await self._db.fetchrow(
+            f"SELECT {KEY_COLUMNS} FROM api_keys WHERE {self._match_clause(id_or_prefix)}{lock}",
             self._match_value(id_or_prefix),
         )
         if row is None:
@@ -243,12 +311,30 @@ class KeyStore:
         self, id_or_prefix: str, *, name: str | None = None,
         expires_at: datetime | _Unchanged | None = UNCHANGED, **policy: Any,
     ) -> KeyRecord:
-        """Change a key's name, expiry or policy fields; fields not given stay as they are."""
-        current = await self.get(id_or_prefix)
-        merged = {c: getattr(current.policy, c) for c in _POLICY_COLUMNS}
+        """Change a key's name, expiry or policy fields; fields not given stay as they are.
+
+        The row is locked while the change is merged, so two concurrent updates of
+        different fields both land.
+        """
         unknown = set(policy) - set(_POLICY_COLUMNS)
         if unknown:
             raise ValueError(f"unknown field {sorted(unknown)[0]}")
+        if name is not None:
+            _check_name(name)
+        async with self._transaction() as conn:
+            current_row = await conn.fetchrow(
+                f"SELECT {KEY_COLUMNS} FROM api_keys WHERE {self._match_clause(id_or_prefix)} FOR UPDATE",
+                self._match_value(id_or_prefix),
+            )
+            if current_row is None:
+                raise KeyNotFound(id_or_prefix)
+            return await self._apply_update(conn, KeyRecord.from_row(current_row), name, expires_at, policy)
+
+    async def _apply_update(
+        self, conn: asyncpg.Connection, current: KeyRecord, name: str | None,
+        expires_at: datetime | _Unchanged | None, policy: dict[str, Any],
+    ) -> KeyRecord:
+        merged = {c: getattr(current.policy, c) for c in _POLICY_COLUMNS}
         merged.update(policy)
         if merged["allowed_models"] is not None:
             merged["allowed_models"] = tuple(merged["allowed_models"])
@@ -257,7 +343,7 @@ class KeyStore:
             if merged["budget_period"] is None:
                 merged["budget_period"] = "month"
         checked = KeyPolicy(**merged)
-        row = await self._pool.fetchrow(
+        row = await conn.fetchrow(
             f"""UPDATE api_keys SET name = $2, rate_limit_requests = $3,
                 rate_limit_window_seconds = $4, tokens_per_minute = $5, max_concurrent = $6,
                 budget_usd = $7, budget_period = $8, allowed_models = $9, expires_at = $10
@@ -273,7 +359,7 @@ class KeyStore:
 
     async def revoke(self, id_or_prefix: str) -> KeyRecord:
         """Revoke a key (idempotent): ``revoked_at`` set, ``is_active`` false."""
-        row = await self._pool.fetchrow(
+        row = await self._db.fetchrow(
             f"""UPDATE api_keys SET is_active = false, revoked_at = coalesce(revoked_at, now())
             WHERE {self._match_clause(id_or_prefix)} RETURNING {KEY_COLUMNS}""",
             self._match_value(id_or_prefix),
@@ -288,7 +374,7 @@ class KeyStore:
         With ``grace``, the old key keeps working until then (its expiry is moved in),
         otherwise it is revoked at once. Both happen in one transaction.
         """
-        async with self._pool.acquire() as conn, conn.transaction():
+        async with self._transaction() as conn:
             old_row = await conn.fetchrow(
                 f"SELECT {KEY_COLUMNS} FROM api_keys WHERE {self._match_clause(id_or_prefix)} FOR UPDATE",
                 self._match_value(id_or_prefix),
@@ -296,8 +382,9 @@ class KeyStore:
             if old_row is None:
                 raise KeyNotFound(id_or_prefix)
             old = KeyRecord.from_row(old_row)
-            if old.state == "revoked":
-                raise ValueError("a revoked key cannot be rotated")
+            if old.state != "active":
+                # An expired key's successor would inherit the past expiry: useless.
+                raise KeyStateError(f"a {old.state} key cannot be rotated")
             raw = generate_key()
             p = old.policy
             row = await conn.fetchrow(
