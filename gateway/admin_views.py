@@ -102,13 +102,16 @@ _UNKNOWN = DeploymentHealth()
 
 
 def deployment_health(state: GatewayState) -> Mapping[str, DeploymentHealth]:
-    """Health per deployment id (``provider/model``), as the breakers see it now.
-
-    WIRING POINT (breakers): replace this body with a read of the breaker actor's
-    published snapshot on GatewayState (state, latency, error rate per deployment id).
-    A deployment missing from the mapping shows as ``"unknown"``.
-    """
-    return {}
+    """Health per deployment id (``provider/model``), read from the breakers' snapshot."""
+    health: dict[str, DeploymentHealth] = {}
+    for status in state.deployment_health():
+        health[status.deployment] = DeploymentHealth(
+            circuit_state=status.state.name.lower().replace("_", "-"),
+            latency_ms=status.latency_seconds * 1000 if status.latency_seconds is not None else None,
+            error_rate=status.error_rate,
+            recent_requests=status.calls,
+        )
+    return health
 
 
 def _public_url(raw: str) -> str | None:

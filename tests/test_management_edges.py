@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from gateway.config import ConfigError, load_settings
+from gateway.keys import KeyStore
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for
 
 ADMIN_TOKEN = "edge-admin-token-abcdef0123456789"
@@ -257,9 +258,19 @@ async def test_providers_lists_deployments_without_secrets(
     assert big["price"] == {"input_per_mtok": 3.0, "output_per_mtok": 15.0}
     assert by_id["backup/big"]["price"] is None
     for d in body["deployments"]:
-        # Until the breakers report, health is honestly unknown.
-        assert d["circuit_state"] == "unknown"
-        assert d["latency_ms"] is None and d["error_rate"] is None and d["recent_requests"] is None
+        # No traffic yet: every breaker is closed, with nothing measured.
+        assert d["circuit_state"] == "closed"
+        assert d["latency_ms"] is None and d["recent_requests"] == 0
+
+    # Three failures open fake/big's breaker (one call: the attempt and its two retries).
+    raw, _ = await KeyStore(gw.state.pool).create("providers-view")
+    await fake.script({"status": 500}, {"status": 500}, {"status": 500})
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="also-big"), headers=auth(raw))
+    assert resp.status == 500
+    body = await (await gw.management.get("/admin/providers", headers=ADMIN)).json()
+    big = {d["id"]: d for d in body["deployments"]}["fake/big"]
+    assert big["circuit_state"] == "open"
+    assert big["recent_requests"] == 3 and big["error_rate"] > 0
 
 
 # -- database outage ----------------------------------------------------------------
