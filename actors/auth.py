@@ -36,6 +36,7 @@ __all__ = [
     "AuthActor",
     "AuthHandle",
     "Authenticate",
+    "REASONS",
     "VerifiedKey",
     "Unauthenticated",
 ]
@@ -52,7 +53,24 @@ MAX_TOKEN_LEN = 256
 
 
 class Unauthenticated(Exception):
-    """The token is missing, malformed, unknown, revoked or expired (one answer for all)."""
+    """The token is missing, malformed, unknown, revoked or expired (one answer for all).
+
+    ``reason`` says which, for metrics and logs only: the client always gets the same
+    401, so a caller cannot tell a revoked key from one that never existed.
+    """
+
+    #: Why the key was refused: one of ``REASONS``.
+    reason: str
+
+    def __init__(self, reason: str = "unknown") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+#: Every ``Unauthenticated.reason``: no token; not shaped like a key; no such key (or the
+#: secret does not match its prefix); revoked or deactivated; past ``expires_at``; the
+#: database could not be asked (an unknown key fails closed).
+REASONS = ("missing", "malformed", "unknown", "revoked", "expired", "unavailable")
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +115,8 @@ class Evict:
 @dataclass(frozen=True, slots=True)
 class _Looked:
     prefix: str
-    row: VerifiedKey | None
+    #: The usable key, or why there is none (``unknown``/``revoked``); None on error.
+    found: VerifiedKey | str | None
     error: BaseException | None
 
 
@@ -134,7 +153,8 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
         self._dsn = dsn
         self._cache: dict[str, VerifiedKey] = {}
         self.view: Mapping[str, VerifiedKey] = MappingProxyType(self._cache)
-        self._negative: dict[str, float] = {}
+        #: prefix → (monotonic expiry, reason) of keys known not to work.
+        self._negative: dict[str, tuple[float, str]] = {}
         self._pending: dict[str, list[tuple[str, asyncio.Future[VerifiedKey]]]] = {}
         self._touched: set[uuid.UUID] = set()
         self._listener: asyncpg.Connection | None = None
@@ -187,56 +207,62 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
         cached = self._cache.get(prefix)
         now = time.time()
         if cached is not None:
-            if _ok(cached, token, now):
+            refused = _refusal(cached, token, now)
+            if refused is None:
                 fut.set_result(cached)
             else:
-                fut.set_exception(Unauthenticated())
+                fut.set_exception(Unauthenticated(refused))
             return fut
-        until = self._negative.get(prefix)
-        if until is not None and until > time.monotonic():
-            fut.set_exception(Unauthenticated())
+        negative = self._negative.get(prefix)
+        if negative is not None and negative[0] > time.monotonic():
+            fut.set_exception(Unauthenticated(negative[1]))
             return fut
         waiters = self._pending.get(prefix)
         if waiters is not None:
             waiters.append((token, fut))
             return fut
         self._pending[prefix] = [(token, fut)]
-        self.spawn(self._fetch(prefix), lambda row, err: _Looked(prefix, row, err))
+        self.spawn(self._fetch(prefix), lambda found, err: _Looked(prefix, found, err))
         return fut
 
-    async def _fetch(self, prefix: str) -> VerifiedKey | None:
+    async def _fetch(self, prefix: str) -> VerifiedKey | str:
+        """The usable key of ``prefix``, or why there is none (``unknown``/``revoked``)."""
         row = await self._pool.fetchrow(
             f"SELECT {KEY_COLUMNS}, key_hash FROM api_keys WHERE key_prefix = $1", prefix
         )
-        return None if row is None else _verified(row, bytes(row["key_hash"]))
+        if row is None:
+            return "unknown"
+        return _verified(row, bytes(row["key_hash"])) or "revoked"
 
     def _finish_lookup(self, looked: _Looked) -> None:
         waiters = self._pending.pop(looked.prefix, [])
         now = time.time()
-        if looked.error is not None:
+        if looked.error is not None or looked.found is None:
             # Database unreachable: an unknown key fails closed, and is not cached.
             log.warning("key lookup failed: %r", looked.error)
             for _, fut in waiters:
                 if not fut.done():
-                    fut.set_exception(Unauthenticated())
+                    fut.set_exception(Unauthenticated("unavailable"))
             return
-        if looked.row is None:
-            self._negative[looked.prefix] = time.monotonic() + NEGATIVE_TTL
+        row = looked.found if isinstance(looked.found, VerifiedKey) else None
+        if row is None:
+            self._negative[looked.prefix] = (time.monotonic() + NEGATIVE_TTL, str(looked.found))
             if len(self._negative) > 100_000:
                 self._prune_negative()
         else:
-            self._cache[looked.prefix] = looked.row
+            self._cache[looked.prefix] = row
         for token, fut in waiters:
             if fut.done():
                 continue
-            if looked.row is not None and _ok(looked.row, token, now):
-                fut.set_result(looked.row)
+            refused = str(looked.found) if row is None else _refusal(row, token, now)
+            if row is not None and refused is None:
+                fut.set_result(row)
             else:
-                fut.set_exception(Unauthenticated())
+                fut.set_exception(Unauthenticated(refused or "unknown"))
 
     def _prune_negative(self) -> None:
         now = time.monotonic()
-        for prefix in [p for p, t in self._negative.items() if t <= now]:
+        for prefix in [p for p, (until, _) in self._negative.items() if until <= now]:
             del self._negative[prefix]
 
     def _evict(self, prefix: str) -> None:
@@ -326,8 +352,13 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
             self._touched.update(ids)
 
 
-def _ok(key: VerifiedKey, token: str, now: float) -> bool:
-    return key.usable(now) and hmac.compare_digest(key.key_hash, hash_key(token))
+def _refusal(key: VerifiedKey, token: str, now: float) -> str | None:
+    """Why ``token`` may not use ``key`` (``unknown``, ``expired``), or None if it may."""
+    if not hmac.compare_digest(key.key_hash, hash_key(token)):
+        return "unknown"  # right prefix, wrong secret: no such key, as far as the caller knows
+    if not key.usable(now):
+        return "expired"
+    return None
 
 
 class AuthHandle:
@@ -342,13 +373,15 @@ class AuthHandle:
 
     async def authenticate(self, token: str | None) -> VerifiedKey:
         """The key for ``token``, or Unauthenticated. Never touches the database if cached."""
-        if not token or len(token) > MAX_TOKEN_LEN or len(token) < KEY_PREFIX_LEN + 4 or not token.isascii():
-            raise Unauthenticated()
+        if not token:
+            raise Unauthenticated("missing")
+        if len(token) > MAX_TOKEN_LEN or len(token) < KEY_PREFIX_LEN + 4 or not token.isascii():
+            raise Unauthenticated("malformed")
         key = self._view.get(token[:KEY_PREFIX_LEN])
         if key is None:
             key = await self._ref.ask(Authenticate(token))
-        elif not _ok(key, token, time.time()):
-            raise Unauthenticated()
+        elif (refused := _refusal(key, token, time.time())) is not None:
+            raise Unauthenticated(refused)
         try:
             self._ref.tell(Touch(key.api_key_id))
         except Exception:  # noqa: BLE001 - a full mailbox must not fail a good key

@@ -18,7 +18,7 @@ from aiohttp import web
 from actors.auth import AuthActor, AuthHandle
 from actors.breaker import BreakerActor, BreakerHandle
 from actors.runtime import Supervisor
-from gateway import admin, chat, dataplane, openapi
+from gateway import admin, chat, dataplane, openapi, telemetry
 from gateway.config import ConfigError, GatewayConfig, Settings
 from gateway.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
 from gateway.db import connect_pool, migrate
@@ -27,6 +27,7 @@ from gateway.middleware import error_middleware, security_headers
 from gateway.providers import Provider, build_provider
 from gateway.routing import Router
 from gateway.state import STATE, GatewayState
+from gateway.tracing import Tracing
 from gateway.upstream import RetryPolicy
 
 __all__ = ["DATA_SERVER_OPTIONS", "build_data_app", "build_management_app", "gateway_state"]
@@ -63,6 +64,7 @@ async def gateway_state(
     settings: Settings, config: GatewayConfig, dsn: str, *, run_migrations: bool = True
 ) -> AsyncIterator[GatewayState]:
     """Open the pool, migrate, start the actors and providers; undo it all on exit."""
+    tracing = Tracing.from_settings(settings)  # no I/O: the exporter connects when it first sends
     pool = await connect_pool(dsn)
     session: aiohttp.ClientSession | None = None
     supervisor = Supervisor()
@@ -77,7 +79,7 @@ async def gateway_state(
         breaker_actor = BreakerActor(config.circuit_breaker)
         breaker_ref = await supervisor.start(breaker_actor)
         providers = _providers(config, session, settings)
-        yield GatewayState(
+        state = GatewayState(
             settings=settings,
             config=config,
             pool=pool,
@@ -90,9 +92,14 @@ async def gateway_state(
             session=session,
             retry_policy=RetryPolicy(max_retries=settings.upstream_max_retries),
             breaker=BreakerHandle(breaker_actor, breaker_ref),
+            tracing=tracing,
         )
+        # Last, so the metrics listener runs after billing's (which may price the call).
+        telemetry.install(state)
+        yield state
     finally:
         await supervisor.stop()
+        await tracing.shutdown()
         if session is not None:
             await session.close()
         await pool.close()
@@ -107,7 +114,8 @@ def build_data_app(state: GatewayState) -> web.Application:
     )
     # The body limit is enforced by our reader; aiohttp's own cap sits just above it.
     app = web.Application(
-        middlewares=[cors.middleware, error_middleware], client_max_size=state.settings.body_limit + 1024
+        middlewares=[telemetry.observe, cors.middleware, error_middleware],
+        client_max_size=state.settings.body_limit + 1024,
     )
     app[STATE] = state
     app.on_response_prepare.append(security_headers({}))
@@ -122,7 +130,7 @@ def build_data_app(state: GatewayState) -> web.Application:
 
 
 def build_management_app(state: GatewayState) -> web.Application:
-    """The management plane: health, the admin API, its OpenAPI document (/metrics joins it)."""
+    """The management plane: health, Prometheus metrics, the admin API, its OpenAPI document."""
     settings = state.settings
     # No origin unless MANAGEMENT_CORS_ORIGINS lists it ('*' is refused by load_settings).
     cors = CorsPolicy(
@@ -130,7 +138,7 @@ def build_management_app(state: GatewayState) -> web.Application:
         allow_headers=MANAGEMENT_REQUEST_HEADERS, expose_headers=("x-request-id",),
     )
     app = web.Application(
-        middlewares=[cors.middleware, error_middleware, admin.admin_guard(
+        middlewares=[telemetry.observe, cors.middleware, error_middleware, admin.admin_guard(
             admin.AdminAuth(settings.admin_token, settings.admin_token_name)
         )],
         client_max_size=admin.admin_body_limit(settings.body_limit) + 1024,
@@ -139,6 +147,7 @@ def build_management_app(state: GatewayState) -> web.Application:
     app.on_response_prepare.append(security_headers(MANAGEMENT_HEADERS))
     app.on_response_prepare.append(cors.on_prepare)
     app.router.add_get("/healthz", dataplane.healthz)
+    app.router.add_get("/metrics", telemetry.metrics_endpoint)
     app.router.add_get("/openapi.json", openapi.document_handler(openapi.management_document()))
     admin.add_admin_routes(app.router)
     return app

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway import fake_llm
+from gateway import fake_llm, telemetry
 from gateway.dispatch import dispatch
 from gateway.errors import (
     GatewayError,
@@ -106,6 +106,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         stream=stream,
     )
     started = time.monotonic()
+    observed = telemetry.begin_call(request, record, body)
     try:
         if stream:
             return await _stream(request, state, route, body, record, started)
@@ -122,6 +123,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     finally:
         record.latency = time.monotonic() - started
         _finish(state, record)
+        telemetry.end_call(request, observed, record)
 
 
 def _finish(state: GatewayState, record: CallRecord) -> None:
@@ -148,6 +150,8 @@ async def _whole(
             record.finish_reasons = tuple(
                 c["finish_reason"] for c in choices if isinstance(c, dict) and isinstance(c.get("finish_reason"), str)
             )
+            if state.settings.capture_genai_content:
+                record.completion = _answer_text(choices)
     if not reply.ok:
         record.outcome = "provider_error"
     return web.Response(
@@ -182,7 +186,7 @@ async def _stream(
             body=reply.body,
             headers={"Content-Type": reply.headers.get("Content-Type", "application/json")},
         )
-    tap = StreamTap(client_wants_usage=client_wants_usage)
+    tap = StreamTap(client_wants_usage=client_wants_usage, keep_text=state.settings.capture_genai_content)
     strip_usage_null = not client_wants_usage
     response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
     try:
@@ -216,7 +220,17 @@ async def _stream(
         record.served_model = tap.response_model or record.served_model
         record.finish_reasons = tuple(tap.finish_reasons)
         record.usage = tap.final_usage(fake_llm.prompt_tokens(body.get("messages") or []))
+        record.chunks = tap.chunks
+        record.completion = tap.kept_text()
     return response
+
+
+def _answer_text(choices: list[Any]) -> str | None:
+    """The first choice's message text of a whole answer (for content capture only)."""
+    first = choices[0] if choices else None
+    message = first.get("message") if isinstance(first, dict) else None
+    content = message.get("content") if isinstance(message, dict) else None
+    return content if isinstance(content, str) else None
 
 
 class _StreamCut(Exception):

@@ -61,6 +61,7 @@ class Settings:
     upstream_max_retries: int = 2
     capture_genai_content: bool = False
     otel_service_name: str = "llm-gateway"
+    #: Full OTLP/HTTP traces URL (``.../v1/traces``); None: no spans are made at all.
     otel_endpoint: str | None = None
     shutdown_grace: float = 30.0
     cors_origins: tuple[str, ...] = ("*",)
@@ -126,6 +127,26 @@ def _origins(environ: Mapping[str, str], name: str, default: str) -> tuple[str, 
     return origins
 
 
+def _otlp_traces_url(environ: Mapping[str, str]) -> str | None:
+    """The OTLP/HTTP traces URL from the standard variables, or None when not exporting.
+
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is used as is; ``OTEL_EXPORTER_OTLP_ENDPOINT``
+    is a base URL that gets ``/v1/traces``, as the OpenTelemetry specification says.
+    """
+    if (environ.get("OTEL_SDK_DISABLED") or "").strip().lower() == "true":
+        return None
+    if (environ.get("OTEL_TRACES_EXPORTER") or "otlp").strip().lower() == "none":
+        return None
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        url = environ.get(name)
+        if not url:
+            continue
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(f"{name}: expected an http(s) URL of an OTLP/HTTP receiver, got {url!r}")
+        return url if name.endswith("TRACES_ENDPOINT") else f"{url.rstrip('/')}/v1/traces"
+    return None
+
+
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Read and validate the environment; raises ConfigError naming the variable."""
     env = os.environ if environ is None else environ
@@ -171,7 +192,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         ),
         capture_genai_content=_bool(env, "CAPTURE_GENAI_CONTENT"),
         otel_service_name=env.get("OTEL_SERVICE_NAME") or "llm-gateway",
-        otel_endpoint=env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or None,
+        otel_endpoint=_otlp_traces_url(env),
         shutdown_grace=_number(env, "SHUTDOWN_GRACE_SECONDS", 30.0, integer=False, minimum=0),
         cors_origins=_origins(env, "CORS_ALLOWED_ORIGINS", "*"),
         management_cors_origins=management_cors,

@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from actors.breaker import DEFAULT_COOLDOWN_SECONDS, Admission, BreakerHandle, Outcome
+from gateway import telemetry
 from gateway.config import ModelGroup
 from gateway.errors import CircuitOpen, GatewayError, UpstreamTimeout, UpstreamUnavailable
 from gateway.providers.base import (
@@ -51,7 +52,6 @@ __all__ = ["dispatch", "timeouts_for"]
 
 #: Added to a probe's timeouts for its lease, so a slow probe is not taken for a lost one.
 _PROBE_LEASE_MARGIN = 5.0
-_EMPTY: Mapping[str, str] = {}
 
 
 def timeouts_for(group: ModelGroup, provider: Provider) -> Timeouts:
@@ -79,16 +79,21 @@ async def dispatch(
 
     Returns the provider's reply (possibly its own error answer, relayed as is).
     Raises CircuitOpen (nothing healthy), UpstreamTimeout or UpstreamUnavailable.
-    ``record`` gets provider, deployment, retries, failovers and fallback_model.
+    ``record`` gets provider, deployment, retries, failovers and fallback_model, and
+    the time spent waiting on providers. ``headers`` default to the call's trace context.
     """
-    call = _Call(state, body, record, stream, headers or _EMPTY)
+    call = _Call(state, body, record, stream, record.trace_headers if headers is None else headers)
     chain: list[tuple[str | None, Route]] = [(None, route)]
     for name in route.group.fallbacks:
         try:
             chain.append((name, state.router.resolve(name)))
         except GatewayError:
             continue  # config validation keeps this from happening
-    return await call.run(chain)
+    record.upstream_started_at = started = time.monotonic()
+    try:
+        return await call.run(chain)
+    finally:
+        record.upstream_time = time.monotonic() - started
 
 
 class _Call:
@@ -174,6 +179,7 @@ class _Call:
             if attempt == 0:
                 if self.attempted:
                     record.failovers += 1
+                    telemetry.failed_over(state, *_left_behind(self.last_target, self.last_error, self.last_reply))
                 self.attempted += 1
                 record.provider, record.deployment = target.provider, deployment
                 record.fallback_model = fallback_model
@@ -192,6 +198,7 @@ class _Call:
                 if attempt >= max_retries:
                     return None
                 delay = state.retry_policy.delay(attempt, None)
+                reason = type(exc).__name__
             except BaseException:  # cancelled (client gone): says nothing of the deployment
                 breaker.report(deployment, Outcome.NEUTRAL, token=token)
                 raise
@@ -219,9 +226,19 @@ class _Call:
                 if attempt >= max_retries or too_long:
                     return None
                 delay = state.retry_policy.delay(attempt, retry_after)
+                reason = str(status)
             attempt += 1
             record.retries += 1
+            telemetry.retried(state, target.provider, attempt, reason)
             await asyncio.sleep(delay)
+
+
+def _left_behind(
+    target: Target | None, error: ProviderError | None, reply: UpstreamReply | None
+) -> tuple[str, str]:
+    """The deployment a call is leaving and why (error name or status), for the span."""
+    why = type(error).__name__ if error is not None else str(reply.status) if reply is not None else "skipped"
+    return (target.deployment.id if target is not None else "none"), why
 
 
 async def _first_event(reply: UpstreamReply) -> bytes:

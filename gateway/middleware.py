@@ -23,6 +23,7 @@ from gateway.errors import (
     RequestTooLarge,
     error_body,
 )
+from gateway.state import STATE
 
 __all__ = ["REQUEST_ID", "error_middleware", "request_id_of", "security_headers"]
 
@@ -62,7 +63,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except GatewayError as exc:
         return exc.to_response()
-    except Unauthenticated:
+    except Unauthenticated as exc:
+        # Counted by reason; the client's 401 is the same whatever the reason.
+        state = request.app.get(STATE)
+        if state is not None:
+            state.metrics.auth_failed(exc.reason)
         return AuthenticationFailed().to_response()
     except ActorError as exc:
         log.warning("shed request %s: %s", request_id_of(request), exc)

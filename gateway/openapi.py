@@ -306,6 +306,12 @@ def management_document() -> dict[str, Any]:
         "security": [{"adminToken": []}],
         "paths": {
             **_common_paths("management"),
+            "/metrics": {"get": {
+                "operationId": "metrics", "summary": "Prometheus metrics (text exposition format)",
+                "tags": ["health"], "security": [],
+                "responses": {"200": {"description": "the metrics of this replica",
+                                      "content": {"text/plain": {"schema": {"type": "string"}}}}},
+            }},
             "/admin/keys": {
                 "post": _admin_op(
                     "createKey", "Create a key; the raw key is in this answer only",

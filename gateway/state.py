@@ -13,8 +13,10 @@ from aiohttp import web
 from actors.runtime import Supervisor
 from gateway.config import GatewayConfig, Settings
 from gateway.keys import KeyStore
+from gateway.metrics import GatewayMetrics
 from gateway.providers import Provider
 from gateway.routing import Router
+from gateway.tracing import Tracing
 from gateway.upstream import RetryPolicy
 from gateway.usage import CallRecord
 
@@ -45,6 +47,9 @@ class GatewayState:
     #: Called once per finished chat call (billing, metrics, logs subscribe here).
     call_listeners: list[Callable[[CallRecord], None]] = field(default_factory=list)
     draining: bool = False
+    #: This gateway's metrics (its own registry) and tracer; see gateway/telemetry.py.
+    metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
+    tracing: Tracing = field(default_factory=Tracing)
 
     def deployment_health(self) -> list[DeploymentStatus]:
         """Every configured deployment with circuit state, recent latency and error rate,

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import orjson
@@ -69,6 +71,7 @@ class StreamTap:
     """
 
     __slots__ = (
+        "_kept_text",
         "_saw_usage",
         "chunks",
         "client_wants_usage",
@@ -81,7 +84,7 @@ class StreamTap:
         "usage",
     )
 
-    def __init__(self, *, client_wants_usage: bool) -> None:
+    def __init__(self, *, client_wants_usage: bool, keep_text: bool = False) -> None:
         self.client_wants_usage = client_wants_usage
         self.usage = Usage()
         self.response_id: str | None = None
@@ -92,6 +95,8 @@ class StreamTap:
         self.done = False
         self.first_chunk_at: float | None = None
         self._saw_usage = False
+        #: The delivered text, kept only when content capture is on (CAPTURE_GENAI_CONTENT).
+        self._kept_text: list[str] | None = [] if keep_text else None
 
     def inspect(self, data: bytes) -> bool:
         """Account for one payload; returns False if it must not reach the client."""
@@ -118,6 +123,8 @@ class StreamTap:
                 delta = choice.get("delta")
                 if isinstance(delta, dict) and isinstance(delta.get("content"), str):
                     self.text_chars += len(delta["content"])
+                    if self._kept_text is not None:
+                        self._kept_text.append(delta["content"])
                 reason = choice.get("finish_reason")
                 if isinstance(reason, str):
                     self.finish_reasons.append(reason)
@@ -126,6 +133,10 @@ class StreamTap:
             if not self.client_wants_usage and choices == []:
                 return False
         return True
+
+    def kept_text(self) -> str | None:
+        """The delivered text if ``keep_text`` was asked for, else None."""
+        return None if self._kept_text is None else "".join(self._kept_text)
 
     def final_usage(self, prompt_estimate: int) -> Usage:
         """The usage to record: reported, or estimated from what was delivered."""
@@ -162,3 +173,18 @@ class CallRecord:
     #: The fallback model name that served (or was tried last), when the group's own failed.
     fallback_model: str | None = None
     error_type: str | None = None
+    #: Monotonic time the HTTP request arrived (set by the edge; for the overhead metric).
+    received_at: float | None = None
+    #: Monotonic time the first upstream attempt started, and the seconds spent waiting
+    #: for providers until a reply to relay was in hand (all attempts and backoff).
+    upstream_started_at: float | None = None
+    upstream_time: float = 0.0
+    #: Stream chunks relayed.
+    chunks: int = 0
+    #: W3C trace context headers to send upstream (``traceparent``, ``tracestate``).
+    trace_headers: Mapping[str, str] = field(default_factory=lambda: _NO_HEADERS)
+    #: The completion text, kept only when CAPTURE_GENAI_CONTENT=true (for span events).
+    completion: str | None = None
+
+
+_NO_HEADERS: Mapping[str, str] = MappingProxyType({})

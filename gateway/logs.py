@@ -1,0 +1,223 @@
+"""Structured logs: one JSON object per line, request ids on every line, no secrets.
+
+``serve`` calls :func:`configure_logging` once. Records are handed to a queue on the
+event loop and formatted and written by a worker thread (a slow stderr pipe must not
+stall requests). Every line carries the request id of the request being handled when
+it was logged (a context variable the edge middleware sets), so an error can be
+matched to its access line.
+
+Secrets never reach the output: every formatted line, traceback included, is passed
+through :class:`Redactor`, which masks gateway keys (``llmg_...``), bearer tokens,
+``sk-`` style provider keys and every secret value the configuration holds (admin
+token, provider API keys). Lines are built from fields chosen in code; the access line
+(logger ``gateway.access``) carries the key's id, never the key.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextvars
+import copy
+import logging
+import logging.handlers
+import queue
+import re
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any, TextIO
+
+import orjson
+
+__all__ = [
+    "ACCESS_LOGGER",
+    "JsonFormatter",
+    "LogSetup",
+    "Redactor",
+    "TextFormatter",
+    "bind_request_id",
+    "configure_logging",
+    "current_request_id",
+    "reset_request_id",
+]
+
+ACCESS_LOGGER = "gateway.access"
+LOG_FORMATS = ("json", "text")
+
+#: The request being handled by the current task. A context variable, not shared state:
+#: each request's task sees its own value, and the worker thread gets it stamped on
+#: each record before the handoff.
+_REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("gateway_request_id", default=None)
+
+#: Masked wherever they appear: gateway keys, bearer credentials, OpenAI/Anthropic-style keys.
+_SECRET_PATTERNS = re.compile(
+    r"llmg_[A-Za-z0-9_\-]{16,}"
+    r"|(?i:bearer)\s+[A-Za-z0-9._~+/\-]{6,}=*"
+    r"|\bsk-[A-Za-z0-9_\-]{8,}"
+)
+REDACTED = "[REDACTED]"
+#: Record attributes that are logging's own, not fields to emit.
+_STANDARD_ATTRS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "fields", "request_id"}
+
+
+def bind_request_id(request_id: str) -> contextvars.Token[str | None]:
+    """Make ``request_id`` the current request's id for log lines (edge middleware)."""
+    return _REQUEST_ID.set(request_id)
+
+
+def reset_request_id(token: contextvars.Token[str | None]) -> None:
+    _REQUEST_ID.reset(token)
+
+
+def current_request_id() -> str | None:
+    return _REQUEST_ID.get()
+
+
+class Redactor:
+    """Masks secret-looking text and known secret values in a string."""
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        self._secrets: tuple[str, ...] = ()
+        self.add(secrets)
+
+    def add(self, secrets: Iterable[str | None]) -> None:
+        """Also mask these exact values (too-short values would mask ordinary words)."""
+        known = set(self._secrets) | {s for s in secrets if s and len(s) >= 6}
+        # Longest first, so a secret containing another is masked whole.
+        self._secrets = tuple(sorted(known, key=len, reverse=True))
+
+    def __call__(self, text: str) -> str:
+        for secret in self._secrets:
+            if secret in text:
+                text = text.replace(secret, REDACTED)
+        return _SECRET_PATTERNS.sub(_mask, text)
+
+
+def _mask(match: re.Match[str]) -> str:
+    found = match.group(0)
+    if found.startswith("llmg_"):
+        return "llmg_" + REDACTED
+    if found[:6].lower() == "bearer":
+        return "Bearer " + REDACTED
+    return "sk-" + REDACTED
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time, level, logger, message, request id, fields.
+
+    Structured fields come from ``extra={"fields": {...}}`` (and any other ``extra``
+    keys); the whole line is redacted after encoding, exception text included.
+    """
+
+    def __init__(self, redactor: Redactor | None = None) -> None:
+        super().__init__()
+        self.redactor = redactor or Redactor()
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": _iso(record.created),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": self.redactor(record.getMessage()),
+        }
+        request_id = getattr(record, "request_id", None) or _REQUEST_ID.get()
+        if request_id is not None:
+            out["request_id"] = request_id
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        for name, value in vars(record).items():
+            if name not in _STANDARD_ATTRS and not name.startswith("_"):
+                out.setdefault(name, value)
+        if record.exc_info:
+            out["exception"] = self.redactor(self.formatException(record.exc_info))
+        elif record.exc_text:
+            out["exception"] = self.redactor(record.exc_text)
+        if record.stack_info:
+            out["stack"] = record.stack_info
+        # Redacted twice: text before encoding (JSON escapes could hide a secret from
+        # the exact match), the whole line after (fields hold no secret by design; this
+        # is the net under that).
+        line = orjson.dumps(out, default=str).decode()
+        return self.redactor(line)
+
+
+class TextFormatter(logging.Formatter):
+    """The human format (``LOG_FORMAT=text``), redacted like the JSON one."""
+
+    def __init__(self, redactor: Redactor | None = None) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.redactor = redactor or Redactor()
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        request_id = getattr(record, "request_id", None) or _REQUEST_ID.get()
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            text += " " + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+        elif request_id is not None:
+            text += f" request_id={request_id}"
+        return self.redactor(text)
+
+
+class _HandOff(logging.handlers.QueueHandler):
+    """Queues records for the writer thread, with what only the loop's task knows.
+
+    The message is rendered and the traceback formatted here (their objects must not
+    cross threads); the request id is read from this task's context.
+    """
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        record = copy.copy(record)
+        record.msg = record.getMessage()
+        record.args = None
+        if record.exc_info:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+            record.exc_info = None
+        if getattr(record, "request_id", None) is None:
+            record.request_id = _REQUEST_ID.get()
+        return record
+
+
+class LogSetup:
+    """What :func:`configure_logging` installed; :meth:`add_secrets` once config is read."""
+
+    def __init__(self, redactor: Redactor, listener: logging.handlers.QueueListener) -> None:
+        self.redactor = redactor
+        self._listener = listener
+
+    def add_secrets(self, secrets: Iterable[str | None]) -> None:
+        """Mask these values in every later line (admin token, provider keys...)."""
+        self.redactor.add(secrets)
+
+    def stop(self) -> None:
+        """Write what is queued and stop the writer thread (also run at exit)."""
+        self._listener.stop()
+
+
+def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | None = None) -> LogSetup:
+    """Route every log record through a redacting formatter on a writer thread.
+
+    ``fmt`` is ``json`` (one object per line) or ``text``. Replaces the root logger's
+    handlers, so calling it twice does not duplicate lines.
+    """
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log format must be one of {', '.join(LOG_FORMATS)}")
+    redactor = Redactor()
+    writer = logging.StreamHandler(stream or sys.stderr)
+    writer.setFormatter(JsonFormatter(redactor) if fmt == "json" else TextFormatter(redactor))
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    listener = logging.handlers.QueueListener(records, writer, respect_handler_level=False)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(_HandOff(records))
+    root.setLevel(getattr(logging, level.upper()))
+    listener.start()
+    atexit.register(listener.stop)
+    return LogSetup(redactor, listener)
+
+
+def _iso(created: float) -> str:
+    whole = int(created)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{int((created - whole) * 1000):03d}Z"

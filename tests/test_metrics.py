@@ -1,0 +1,258 @@
+"""``GET /metrics``: values after known traffic, bounded labels, one registry per gateway."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway import fake_llm
+from gateway.metrics import MAX_MODEL_LABELS, TOKEN_BUCKETS, TTFT_BUCKETS, BoundedLabel, GatewayMetrics
+from gateway.usage import CallRecord, Usage
+from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for, sse_payloads
+
+#: Contract §9: the names every gateway exposes.
+CONTRACT_NAMES = (
+    "gateway_requests_total", "gateway_request_duration_seconds", "gateway_upstream_requests_total",
+    "gateway_upstream_duration_seconds", "gateway_time_to_first_token_seconds", "gateway_tokens_total",
+    "gateway_cost_usd_total", "gateway_rate_limited_total", "gateway_circuit_state",
+    "gateway_actor_mailbox_size", "gateway_billing_pending_events", "gateway_auth_failures_total",
+)
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def parse(text: str) -> Samples:
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, frozenset(s.labels.items()))] = s.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """The sample's value; 0 when absent (a counter never incremented)."""
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum over every series of ``name`` whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+async def scrape(gw: Gateway) -> tuple[str, Samples]:
+    resp = await gw.management.get("/metrics")
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/plain")
+    text = await resp.text()
+    return text, parse(text)
+
+
+async def test_metrics_after_known_traffic(gateway: Gateway, fake: FakeUpstream, api_key: str) -> None:
+    expected_in = expected_out = 0
+    for i in range(3):
+        resp = await gateway.data.post("/v1/chat/completions", json=chat_body(f"count me {i}"), headers=auth(api_key))
+        usage = (await resp.json())["usage"]
+        expected_in += usage["prompt_tokens"]
+        expected_out += usage["completion_tokens"]
+    for i in range(2):
+        body = chat_body(f"stream me please {i}", stream=True, stream_options={"include_usage": True})
+        resp = await gateway.data.post("/v1/chat/completions", json=body, headers=auth(api_key))
+        chunks = [orjson.loads(p) for p in sse_payloads(await resp.read()) if p != b"[DONE]"]
+        usage = next(c["usage"] for c in chunks if c.get("usage"))
+        expected_in += usage["prompt_tokens"]
+        expected_out += usage["completion_tokens"]
+
+    text, samples = await scrape(gateway)
+    for name in CONTRACT_NAMES:
+        assert f"# TYPE {name.removesuffix('_total')}" in text, name
+    chat = "/v1/chat/completions"
+    assert value(samples, "gateway_requests_total", route=chat, status="200") == 5
+    assert value(samples, "gateway_request_duration_seconds_count", route=chat) == 5
+    assert value(samples, "gateway_tokens_total", model="test-model", type="input") == expected_in
+    assert value(samples, "gateway_tokens_total", model="test-model", type="output") == expected_out
+    assert value(samples, "gateway_token_usage_count", model="test-model", type="output") == 5
+    assert value(samples, "gateway_token_usage_sum", model="test-model", type="output") == expected_out
+    assert value(samples, "gateway_upstream_requests_total", provider="fake", model="test-model", outcome="ok") == 5
+    assert value(samples, "gateway_upstream_duration_seconds_count", provider="fake", model="test-model") == 5
+    # Time to first token is observed for the streams only.
+    assert value(samples, "gateway_time_to_first_token_seconds_count", provider="fake", model="test-model") == 2
+    assert value(samples, "gateway_time_to_first_token_seconds_sum", provider="fake", model="test-model") > 0
+    assert value(samples, "gateway_overhead_seconds_count", stream="false") == 3
+    assert value(samples, "gateway_overhead_seconds_count", stream="true") == 2
+    assert value(samples, "gateway_requests_in_flight", route=chat) == 0
+    # Live actor state is read at scrape time.
+    assert value(samples, "gateway_actor_mailbox_size", actor="auth") == 0
+    assert value(samples, "gateway_actor_restarts_total", actor="auth") == 0
+    assert value(samples, "gateway_actor_up", actor="auth") == 1
+    assert value(samples, "gateway_billing_pending_events") == 0
+    # The buckets advised for LLM workloads.
+    ttft_bounds = {float(dict(ls)["le"]) for (n, ls), _ in samples.items() if n == "gateway_time_to_first_token_seconds_bucket"}
+    assert ttft_bounds == {*TTFT_BUCKETS, float("inf")}
+    assert min(ttft_bounds) == 0.001 and max(ttft_bounds - {float("inf")}) == 10.0
+    token_bounds = {float(dict(ls)["le"]) for (n, ls), _ in samples.items() if n == "gateway_token_usage_bucket"}
+    assert token_bounds == {*TOKEN_BUCKETS, float("inf")} and 4.0**5 in token_bounds
+    # No key or key id ever becomes a label.
+    assert api_key not in text and api_key[:12] not in text
+    # The scrape itself is counted on the management plane.
+    _, again = await scrape(gateway)
+    assert value(again, "gateway_requests_total", route="/metrics", status="200") >= 1
+
+
+async def test_cost_reported_by_the_provider_is_counted(gateway_factory: Any, fake_factory: Any, api_key: str) -> None:
+    fake = await fake_factory(cost=True)
+    gw = await gateway_factory(config_yaml=config_for(fake.url))
+    spent = 0.0
+    for _ in range(2):
+        resp = await gw.data.post("/v1/chat/completions", json=chat_body("what does it cost"), headers=auth(api_key))
+        spent += (await resp.json())["cost"]["usd"]
+    _, samples = await scrape(gw)
+    assert spent > 0
+    assert value(samples, "gateway_cost_usd_total", model="test-model") == pytest.approx(spent)
+
+
+async def test_auth_failures_are_counted_by_reason(gateway: Gateway, key_factory: Any, db_pool: Any) -> None:
+    unknown = "llmg_" + "q" * 43
+    revoked_raw, revoked = await key_factory(name="revoked")
+    await db_pool.execute("UPDATE api_keys SET revoked_at = now(), is_active = false WHERE api_key_id = $1", revoked.api_key_id)
+    expired_raw, expired = await key_factory(name="expired")
+    assert (await gateway.data.post("/v1/chat/completions", json=chat_body(), headers=auth(expired_raw))).status == 200
+    await db_pool.execute("UPDATE api_keys SET expires_at = now() - interval '1 second' WHERE api_key_id = $1", expired.api_key_id)
+    await asyncio.sleep(0.3)  # the NOTIFY evicts the cached key
+
+    cases = [({}, "missing"), (auth("short"), "malformed"), (auth(unknown), "unknown"),
+             (auth(unknown), "unknown"), (auth(revoked_raw), "revoked"), (auth(expired_raw), "expired")]
+    bodies = set()
+    for headers, _ in cases:
+        resp = await gateway.data.post("/v1/chat/completions", json=chat_body(), headers=headers)
+        assert resp.status == 401
+        bodies.add(await resp.read())
+    assert len(bodies) == 1  # one answer for every reason
+    _, samples = await scrape(gateway)
+    assert value(samples, "gateway_auth_failures_total", reason="missing") == 1
+    assert value(samples, "gateway_auth_failures_total", reason="malformed") == 1
+    assert value(samples, "gateway_auth_failures_total", reason="revoked") == 1
+    assert value(samples, "gateway_auth_failures_total", reason="unknown") == 2
+    assert value(samples, "gateway_auth_failures_total", reason="expired") == 1
+    assert value(samples, "gateway_requests_total", route="/v1/chat/completions", status="401") == len(cases)
+
+
+async def test_retries_and_failovers_are_counted(gateway_factory: Any, fake_factory: Any, api_key: str) -> None:
+    first, second = await fake_factory(), await fake_factory()
+    config = config_for(
+        first.url,
+        providers={
+            "first": {"type": "openai", "base_url": first.url, "api_key": "sk-first-secret-1"},
+            "second": {"type": "openai", "base_url": second.url, "api_key": "sk-second-secret-2"},
+        },
+        models=[{"name": "pair", "deployments": [
+            {"provider": "first", "model": "m1", "priority": 0}, {"provider": "second", "model": "m2", "priority": 1},
+        ]}],
+    )
+    gw = await gateway_factory(env={"UPSTREAM_MAX_RETRIES": "1"}, config_yaml=config)
+    # first: 503 then 503 again (retries exhausted, 5xx) → fail over to second.
+    await first.script({"status": 503}, {"status": 503})
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="pair"), headers=auth(api_key))
+    assert resp.status == 200
+    _, samples = await scrape(gw)
+    assert value(samples, "gateway_upstream_retries_total", provider="first", reason="503") == 1
+    assert value(samples, "gateway_upstream_failovers_total", model="pair") == 1
+    assert value(samples, "gateway_upstream_requests_total", provider="second", model="m2", outcome="ok") == 1
+
+
+async def test_cancelled_stream_is_counted_once(gateway_factory: Any, fake_factory: Any, api_key: str) -> None:
+    fake = await fake_factory(chunk_delay_ms=200, chunks=20)
+    gw = await gateway_factory(config_yaml=config_for(fake.url))
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(stream=True), headers=auth(api_key))
+    await resp.content.readline()
+    resp.close()  # hang up mid-stream
+    for _ in range(100):
+        _, samples = await scrape(gw)
+        if total(samples, "gateway_upstream_requests_total", outcome="cancelled") == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert total(samples, "gateway_upstream_requests_total", outcome="cancelled") == 1
+    assert value(samples, "gateway_requests_total", route="/v1/chat/completions", status="499") == 1
+    assert value(samples, "gateway_requests_in_flight", route="/v1/chat/completions") == 0
+
+
+async def test_each_gateway_has_its_own_registry(gateway_factory: Any, fake: FakeUpstream, api_key: str) -> None:
+    busy = await gateway_factory(config_yaml=config_for(fake.url))
+    idle = await gateway_factory(config_yaml=config_for(fake.url))
+    assert busy.state.metrics.registry is not idle.state.metrics.registry
+    await busy.data.post("/v1/chat/completions", json=chat_body(), headers=auth(api_key))
+    _, busy_samples = await scrape(busy)
+    _, idle_samples = await scrape(idle)
+    assert total(busy_samples, "gateway_tokens_total") > 0
+    assert total(idle_samples, "gateway_tokens_total") == 0
+    assert value(idle_samples, "gateway_requests_total", route="/v1/chat/completions", status="200") == 0
+
+
+async def test_unmatched_paths_share_one_route_label(gateway: Gateway) -> None:
+    for i in range(5):
+        assert (await gateway.data.get(f"/no/such/path/{i}")).status == 404
+    _, samples = await scrape(gateway)
+    assert value(samples, "gateway_requests_total", route="unmatched", status="404") == 5
+    assert not any("/no/such" in dict(ls).get("route", "") for (_, ls) in samples)
+
+
+def _record(model: str, **extra: Any) -> CallRecord:
+    return CallRecord(request_id="r", api_key_id=None, subject_id=None, requested_model=model,
+                      served_model=model, provider="p", usage=Usage(1, 1), **extra)
+
+
+def test_model_labels_are_bounded() -> None:
+    metrics = GatewayMetrics(process_metrics=False)
+    for i in range(MAX_MODEL_LABELS + 50):
+        metrics.observe_call(_record(f"client-chosen-{i}"))
+    samples = parse(metrics.render_now().decode())
+    models = {dict(ls)["model"] for (n, ls) in samples if n == "gateway_tokens_total"}
+    assert len(models) == MAX_MODEL_LABELS + 1 and "other" in models
+    assert value(samples, "gateway_tokens_total", model="other", type="input") == 50
+    label = BoundedLabel(2)
+    assert [label(v) for v in ("a", "b", "c", "a", None)] == ["a", "b", "other", "a", "none"]
+
+
+def test_hooks_for_breakers_billing_and_limiter() -> None:
+    metrics = GatewayMetrics(process_metrics=False)
+    circuits: dict[str, Any] = {"fake/a": "closed", "fake/b": "open"}
+    pending = [7]
+    metrics.watch_circuits(lambda: circuits)
+    metrics.watch_billing(lambda: pending[0])
+    metrics.watch_limiter(lambda: True)
+    metrics.rate_limited("key")
+    metrics.rate_limited("key")
+    metrics.rate_limited("ip")
+    metrics.unpriced("mystery")
+    samples = parse(metrics.render_now().decode())
+    assert value(samples, "gateway_circuit_state", deployment="fake/a") == 0
+    assert value(samples, "gateway_circuit_state", deployment="fake/b") == 2
+    assert value(samples, "gateway_billing_pending_events") == 7
+    assert value(samples, "gateway_limiter_degraded") == 1
+    assert value(samples, "gateway_rate_limited_total", scope="key") == 2
+    assert value(samples, "gateway_rate_limited_total", scope="ip") == 1
+    assert value(samples, "gateway_unpriced_calls_total", model="mystery") == 1
+    # A breaker changing state shows at the next scrape; a purged one disappears.
+    circuits["fake/a"] = "half-open"
+    circuits["fake/b"] = 0
+    pending[0] = 0
+    samples = parse(metrics.render_now().decode())
+    assert value(samples, "gateway_circuit_state", deployment="fake/a") == 1
+    assert value(samples, "gateway_circuit_state", deployment="fake/b") == 0
+    assert value(samples, "gateway_billing_pending_events") == 0
+    del circuits["fake/a"]
+    samples = parse(metrics.render_now().decode())
+    assert ("gateway_circuit_state", frozenset({("deployment", "fake/a")})) not in samples
+
+
+async def test_prompt_token_estimate_matches_fake(gateway: Gateway, api_key: str) -> None:
+    """A stream the client did not ask usage for is still counted, from the hidden usage chunk."""
+    body = chat_body("tokens without asking", stream=True)
+    resp = await gateway.data.post("/v1/chat/completions", json=body, headers=auth(api_key))
+    await resp.read()
+    _, samples = await scrape(gateway)
+    assert value(samples, "gateway_tokens_total", model="test-model", type="input") == fake_llm.prompt_tokens(body["messages"])
