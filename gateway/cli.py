@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
+from urllib.parse import urlsplit
 
 import asyncpg
 
-from gateway.config import ConfigError, Settings, load_config, load_settings
+from gateway.config import ConfigError, GatewayConfig, Settings, load_config, load_settings
 from gateway.db import DatabaseUnavailable, EmbeddedUnavailable, connect_pool, migrate
 from gateway.keys import KeyNotFound, KeyPolicy, KeyRecord, KeyStore
+from gateway.logs import LOG_FORMATS, LogSetup, configure_logging
 from gateway.server import resolve_database_url, run, serve
 
 __all__ = ["main"]
@@ -74,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_cmd = commands.add_parser("serve", help="apply migrations, then serve both planes")
     serve_cmd.add_argument("--no-migrate", action="store_true", help="skip migrations (run them as a release step)")
+    serve_cmd.add_argument("--log-format", default=os.environ.get("LOG_FORMAT", "json"), choices=LOG_FORMATS,
+                           help="json: one object per line (default); text: for humans")
     serve_cmd.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"),
                            choices=["debug", "info", "warning", "error"])
 
@@ -184,12 +187,19 @@ async def _migrate(settings: Settings) -> int:
     return 0
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _configure_logging(level: str, fmt: str = "text") -> LogSetup:
+    return configure_logging(level, fmt, stream=sys.stderr)
+
+
+def _secrets(settings: Settings, config: GatewayConfig) -> list[str | None]:
+    """Every secret value the configuration holds, so no log line can show one."""
+    found: list[str | None] = [settings.admin_token, settings.venice_api_key]
+    found += [provider.api_key for provider in config.providers.values()]
+    found += [value for provider in config.providers.values() for _, value in provider.headers]
+    for url in (settings.database_url, settings.redis_url):
+        if url:
+            found.append(urlsplit(url).password)
+    return found
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -197,8 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings()
         if args.command == "serve":
-            _configure_logging(args.log_level)
+            logs = _configure_logging(args.log_level, args.log_format)
+            logs.add_secrets([settings.admin_token, settings.venice_api_key])
             config = load_config(settings)
+            logs.add_secrets(_secrets(settings, config))
             dsn, embedded = resolve_database_url(settings)
             run(serve(settings, config, dsn, embedded=embedded, migrate=not args.no_migrate))
             return 0

@@ -184,15 +184,17 @@ class LogSetup:
 
     def __init__(self, redactor: Redactor, listener: logging.handlers.QueueListener) -> None:
         self.redactor = redactor
-        self._listener = listener
+        self._listener: logging.handlers.QueueListener | None = listener
 
     def add_secrets(self, secrets: Iterable[str | None]) -> None:
         """Mask these values in every later line (admin token, provider keys...)."""
         self.redactor.add(secrets)
 
     def stop(self) -> None:
-        """Write what is queued and stop the writer thread (also run at exit)."""
-        self._listener.stop()
+        """Write what is queued and stop the writer thread (also run at exit); idempotent."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.stop()
 
 
 def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | None = None) -> LogSetup:
@@ -214,8 +216,9 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
     root.addHandler(_HandOff(records))
     root.setLevel(getattr(logging, level.upper()))
     listener.start()
-    atexit.register(listener.stop)
-    return LogSetup(redactor, listener)
+    setup = LogSetup(redactor, listener)
+    atexit.register(setup.stop)
+    return setup
 
 
 def _iso(created: float) -> str:

@@ -111,6 +111,8 @@ class ChatSpan:
 
     span: trace.Span
     token: object
+    #: The request's messages as JSON, kept only when content capture is on.
+    input_messages: str | None = None
 
 
 class Tracing:
@@ -187,10 +189,10 @@ class Tracing:
         carrier: dict[str, str] = {}
         self._propagator.inject(carrier, context=ctx)
         record.trace_headers = carrier
+        scope = ChatSpan(span, token)
         if self.capture_content and span.is_recording():
-            messages = body.get("messages")
-            span.add_event(GEN_AI_CONTENT_EVENT, {GEN_AI_INPUT_MESSAGES: _json(messages)})
-        return ChatSpan(span, token)
+            scope.input_messages = _json(body.get("messages"))
+        return scope
 
     def end_chat(self, scope: ChatSpan | None, record: CallRecord, cost_usd: float | None = None) -> None:
         """Describe the finished call on its span, end it and restore the context."""
@@ -200,6 +202,8 @@ class Tracing:
         try:
             if span.is_recording():
                 self._describe(span, record, cost_usd)
+                if scope.input_messages is not None:
+                    self._add_content(span, scope.input_messages, record)
             span.end()
         finally:
             try:
@@ -249,13 +253,18 @@ class Tracing:
             attrs[ERROR_TYPE] = error
             span.set_status(Status(StatusCode.ERROR))
         span.set_attributes(attrs)
-        if self.capture_content and record.completion is not None:
-            output = [{
+
+    @staticmethod
+    def _add_content(span: trace.Span, input_messages: str, record: CallRecord) -> None:
+        """One event with the prompt and the completion (only with CAPTURE_GENAI_CONTENT)."""
+        content = {GEN_AI_INPUT_MESSAGES: input_messages}
+        if record.completion is not None:
+            content[GEN_AI_OUTPUT_MESSAGES] = _json([{
                 "role": "assistant",
                 "parts": [{"type": "text", "content": record.completion}],
                 "finish_reason": record.finish_reasons[0] if record.finish_reasons else None,
-            }]
-            span.add_event(GEN_AI_CONTENT_EVENT, {GEN_AI_OUTPUT_MESSAGES: _json(output)})
+            }])
+        span.add_event(GEN_AI_CONTENT_EVENT, content)
 
     # -- lifecycle -----------------------------------------------------------------------
     async def flush(self, within: float = 5.0) -> bool:

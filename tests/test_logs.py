@@ -1,0 +1,153 @@
+"""Structured logs: one JSON access line per request, request ids on errors, no secrets."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import logging.handlers
+import signal
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.logs import ACCESS_LOGGER, JsonFormatter, LogSetup, Redactor, TextFormatter, configure_logging
+from tests.conftest import REPO, FakeUpstream, Gateway, auth, chat_body, config_for
+
+PROVIDER_SECRET = "sk-fake-provider-secret"  # what config_for gives the fake provider
+
+
+@contextlib.contextmanager
+def json_logs(level: str = "info") -> Iterator[tuple[io.StringIO, LogSetup]]:
+    """Logging as ``serve`` configures it, written to a buffer; the old setup restored after."""
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    out = io.StringIO()
+    setup = configure_logging(level, "json", stream=out)
+    try:
+        yield out, setup
+    finally:
+        setup.stop()
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in saved_handlers:
+            root.addHandler(handler)
+        root.setLevel(saved_level)
+
+
+def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
+    formatter = JsonFormatter()
+    return [orjson.loads(formatter.format(r)) for r in caplog.records if r.name == ACCESS_LOGGER]
+
+
+async def test_one_access_line_per_request(
+    gateway: Gateway, fake: FakeUpstream, key_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw, key = await key_factory(name="logged")
+    caplog.set_level(logging.DEBUG)
+    resp = await gateway.data.post("/v1/chat/completions", json=chat_body("log me"), headers={**auth(raw), "x-request-id": "req-1"})
+    usage = (await resp.json())["usage"]
+    resp = await gateway.data.post("/v1/chat/completions", json=chat_body("stream me", stream=True), headers={**auth(raw), "x-request-id": "req-2"})
+    await resp.read()
+    await gateway.data.post("/v1/chat/completions", json=chat_body(), headers={**auth("llmg_" + "z" * 43), "x-request-id": "req-3"})
+    await gateway.data.get("/healthz", headers={"x-request-id": "req-4"})
+
+    lines = {line["request_id"]: line for line in access_lines(caplog)}
+    assert set(lines) == {"req-1", "req-2", "req-3", "req-4"}
+    whole = lines["req-1"]
+    assert whole["logger"] == ACCESS_LOGGER and whole["msg"] == "access"
+    assert whole["key_id"] == str(key.api_key_id)
+    assert whole["model"] == "test-model" and whole["provider"] == "fake" and whole["status"] == 200
+    assert whole["input_tokens"] == usage["prompt_tokens"] and whole["output_tokens"] == usage["completion_tokens"]
+    assert whole["latency_ms"] > 0 and whole["cost_usd"] == 0.0 and whole["route"] == "/v1/chat/completions"
+    stream = lines["req-2"]
+    assert stream["stream"] is True and stream["ttft_ms"] > 0 and stream["output_tokens"] > 0
+    refused = lines["req-3"]
+    assert refused["status"] == 401 and "key_id" not in refused
+    assert lines["req-4"]["route"] == "/healthz" and lines["req-4"]["status"] == 200
+    # Never the key, at any level, in any logger.
+    everything = "\n".join(JsonFormatter().format(r) for r in caplog.records)
+    assert raw not in everything and raw[:20] not in everything and PROVIDER_SECRET not in everything
+
+
+async def test_errors_carry_the_request_id(gateway: Gateway, api_key: str) -> None:
+    def broken_listener(_record: Any) -> None:
+        raise RuntimeError(f"listener saw key {api_key}")
+
+    gateway.state.call_listeners.append(broken_listener)
+    with json_logs() as (out, _):
+        resp = await gateway.data.post("/v1/chat/completions", json=chat_body(), headers={**auth(api_key), "x-request-id": "oops-1"})
+        assert resp.status == 200  # a listener never fails the request it observes
+    lines = [orjson.loads(x) for x in out.getvalue().splitlines()]
+    [line] = [x for x in lines if x["level"] == "error"]
+    assert line["request_id"] == "oops-1" and line["level"] == "error"
+    assert "RuntimeError" in line["exception"]
+    assert api_key not in line["exception"] and "llmg_[REDACTED]" in line["exception"]
+
+
+def test_redactor_masks_keys_tokens_and_known_secrets() -> None:
+    redact = Redactor(["hunter2-admin-token", "abc"])  # too short to mask safely: ignored
+    text = ("key llmg_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789abcdefg, Authorization: Bearer eyJhbGciOi.x.y, "
+            "provider sk-proj-1234567890abcdef, admin hunter2-admin-token, prefix llmg_AbCdEfG, abc")
+    out = redact(text)
+    for secret in ("AbCdEfGhIjKlMnOp", "eyJhbGciOi", "sk-proj-1234567890", "hunter2-admin-token"):
+        assert secret not in out
+    assert "llmg_AbCdEfG," in out  # a 12-character prefix is not a secret (key listings show it)
+    assert out.endswith(", abc")
+
+
+def test_formatters_redact_messages_fields_and_tracebacks() -> None:
+    redactor = Redactor(["hunter2-admin-token"])
+    try:
+        raise ValueError("token hunter2-admin-token leaked")
+    except ValueError:
+        record = logging.getLogger("t").makeRecord(
+            "t", logging.ERROR, __file__, 1, "bad %s", ("Bearer abcdefghijkl",), exc_info=sys.exc_info(),
+            extra={"fields": {"note": "llmg_AbCdEfGhIjKlMnOpQrStUvWx"}},
+        )
+    for formatter in (JsonFormatter(redactor), TextFormatter(redactor)):
+        out = formatter.format(record)
+        assert "hunter2" not in out and "abcdefghijkl" not in out and "AbCdEfGhIjKlMnOp" not in out
+    line = orjson.loads(JsonFormatter(redactor).format(record))
+    assert line["msg"] == "bad Bearer [REDACTED]" and line["note"] == "llmg_[REDACTED]"
+
+
+def test_configure_logging_writes_json_lines_off_the_calling_thread() -> None:
+    with json_logs("debug") as (out, setup):
+        [handoff] = logging.getLogger().handlers
+        assert isinstance(handoff, logging.handlers.QueueHandler)  # a writer thread does the I/O
+        setup.add_secrets(["the-admin-token-value"])
+        logging.getLogger("gateway.test").info("hello %s", "the-admin-token-value", extra={"fields": {"n": 1}})
+    [line] = [orjson.loads(x) for x in out.getvalue().splitlines()]
+    assert line["msg"] == "hello [REDACTED]" and line["n"] == 1 and line["logger"] == "gateway.test"
+    with pytest.raises(ValueError):
+        configure_logging("info", "xml")
+
+
+async def test_served_process_logs_json_without_secrets(process_factory: Any, fake: FakeUpstream, api_key: str) -> None:
+    admin_token = "admin-token-that-must-not-leak"
+    gp = await process_factory(
+        env={"LOG_LEVEL": "debug", "ADMIN_TOKEN": admin_token, "PYTHONPATH": str(REPO)},
+        config_yaml=config_for(fake.url),
+    )
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        for i in range(2):
+            async with session.post(f"{gp.url}/v1/chat/completions", json=chat_body(f"hi {i}"),
+                                    headers={**auth(api_key), "x-request-id": f"proc-{i}"}) as r:
+                assert r.status == 200
+        async with session.post(f"{gp.url}/v1/chat/completions", json=chat_body(),
+                                headers={"Authorization": f"Bearer {admin_token}"}) as r:
+            assert r.status == 401
+    gp.signal(signal.SIGTERM)
+    assert gp.wait(timeout=30) == 0
+    log = gp.log()
+    json_lines = [orjson.loads(line) for line in log.splitlines() if line.startswith("{")]
+    access = [line for line in json_lines if line["logger"] == ACCESS_LOGGER]
+    assert {a["request_id"] for a in access} >= {"proc-0", "proc-1"}
+    assert all(set(a) >= {"ts", "level", "request_id", "status", "latency_ms"} for a in access)
+    assert api_key not in log and admin_token not in log and PROVIDER_SECRET not in log
