@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextvars
-import copy
+import functools
 import logging
 import logging.handlers
 import queue
@@ -55,6 +55,9 @@ _SECRET_PATTERNS = re.compile(
     r"|(?i:bearer)\s+[A-Za-z0-9._~+/\-]{6,}=*"
     r"|\bsk-[A-Za-z0-9_\-]{8,}"
 )
+#: Substrings without which no pattern can match: a line with none skips the regex
+#: (a scan for them is ~50x cheaper, and almost every line has none).
+_MARKERS = ("llmg_", "sk-", "earer", "EARER")
 REDACTED = "[REDACTED]"
 #: Record attributes that are logging's own, not fields to emit.
 _STANDARD_ATTRS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "fields", "request_id"}
@@ -81,8 +84,13 @@ class Redactor:
         self.add(secrets)
 
     def add(self, secrets: Iterable[str | None]) -> None:
-        """Also mask these exact values (too-short values would mask ordinary words)."""
-        known = set(self._secrets) | {s for s in secrets if s and len(s) >= 6}
+        """Also mask these exact values (too-short values would mask ordinary words).
+
+        Each is also known in its JSON-escaped spelling, so it is found in an encoded line.
+        """
+        fresh = {s for s in secrets if s and len(s) >= 6}
+        fresh |= {orjson.dumps(s).decode()[1:-1] for s in fresh}
+        known = set(self._secrets) | fresh
         # Longest first, so a secret containing another is masked whole.
         self._secrets = tuple(sorted(known, key=len, reverse=True))
 
@@ -90,7 +98,10 @@ class Redactor:
         for secret in self._secrets:
             if secret in text:
                 text = text.replace(secret, REDACTED)
-        return _SECRET_PATTERNS.sub(_mask, text)
+        for marker in _MARKERS:
+            if marker in text:
+                return _SECRET_PATTERNS.sub(_mask, text)
+        return text
 
 
 def _mask(match: re.Match[str]) -> str:
@@ -118,7 +129,7 @@ class JsonFormatter(logging.Formatter):
             "ts": _iso(record.created),
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": self.redactor(record.getMessage()),
+            "msg": record.getMessage(),
         }
         request_id = getattr(record, "request_id", None) or _REQUEST_ID.get()
         if request_id is not None:
@@ -126,18 +137,18 @@ class JsonFormatter(logging.Formatter):
         fields = getattr(record, "fields", None)
         if isinstance(fields, dict):
             out.update(fields)
-        for name, value in vars(record).items():
-            if name not in _STANDARD_ATTRS and not name.startswith("_"):
-                out.setdefault(name, value)
+        for name in vars(record).keys() - _STANDARD_ATTRS:
+            if not name.startswith("_"):
+                out.setdefault(name, getattr(record, name))
         if record.exc_info:
-            out["exception"] = self.redactor(self.formatException(record.exc_info))
+            out["exception"] = self.formatException(record.exc_info)
         elif record.exc_text:
-            out["exception"] = self.redactor(record.exc_text)
+            out["exception"] = record.exc_text
         if record.stack_info:
             out["stack"] = record.stack_info
-        # Redacted twice: text before encoding (JSON escapes could hide a secret from
-        # the exact match), the whole line after (fields hold no secret by design; this
-        # is the net under that).
+        # Redacted once encoded: message, fields and traceback alike (fields hold no
+        # secret by design; this is the net under that). Known secrets are matched in
+        # their JSON-escaped spelling too, and the patterns use no escaped characters.
         line = orjson.dumps(out, default=str).decode()
         return self.redactor(line)
 
@@ -168,7 +179,7 @@ class _HandOff(logging.handlers.QueueHandler):
     """
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
-        record = copy.copy(record)
+        # No copy: this is the root's only handler, and the record is not used after.
         record.msg = record.getMessage()
         record.args = None
         if record.exc_info:
@@ -223,4 +234,10 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
 
 def _iso(created: float) -> str:
     whole = int(created)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{int((created - whole) * 1000):03d}Z"
+    return f"{_second(whole)}.{int((created - whole) * 1000):03d}Z"
+
+
+@functools.lru_cache(maxsize=4)
+def _second(whole: int) -> str:
+    """The ISO-8601 UTC second (lines of one second share it: formatting it is the slow part)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole))

@@ -46,6 +46,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -193,6 +194,10 @@ class GatewayMetrics:
     """The gateway's metrics and the registry they live in (one per gateway)."""
 
     def __init__(self, *, process_metrics: bool = True) -> None:
+        # No ``*_created`` series: Prometheus stores each as one more series, doubling
+        # the counters' share of every scrape for a value nobody queries. The switch is
+        # process-wide in prometheus_client; the gateway is the process's only user.
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         if process_metrics:
@@ -246,9 +251,11 @@ class GatewayMetrics:
             "gateway_tokens_total", "Tokens used, by requested model and type (input|output).",
             ["model", "type"], registry=r,
         )
+        # By type only: per model it would be 34 more lines per model name for a
+        # distribution the per-model counters above mostly answer.
         self.token_usage = Histogram(
-            "gateway_token_usage", "Tokens per call, by requested model and type (input|output).",
-            ["model", "type"], buckets=TOKEN_BUCKETS, registry=r,
+            "gateway_token_usage", "Tokens per call, by type (input|output).",
+            ["type"], buckets=TOKEN_BUCKETS, registry=r,
         )
         self.cost = Counter(
             "gateway_cost_usd_total", "Spend in USD, by requested model.", ["model"], registry=r,
@@ -284,11 +291,13 @@ class GatewayMetrics:
         self._ttft: _Children[Any] = _Children(self.time_to_first_token)
         self._tpot: _Children[Any] = _Children(self.time_per_output_token)
         self._tokens: _Children[Any] = _Children(self.tokens)
-        self._token_usage: _Children[Any] = _Children(self.token_usage)
+        self._token_usage = {t: self.token_usage.labels(t) for t in ("input", "output")}
         self._cost: _Children[Any] = _Children(self.cost)
         self._retries: _Children[Any] = _Children(self.upstream_retries)
+        self._rate_limited: _Children[Any] = _Children(self.rate_limited_requests)
         self._failovers: _Children[Any] = _Children(self.failovers)
         self._status_text: dict[int, str] = {}
+        self._rendering: asyncio.Future[bytes] | None = None
 
     # -- per request (edge middleware) ---------------------------------------------------
     def in_flight(self, route: str) -> Any:
@@ -311,7 +320,7 @@ class GatewayMetrics:
     # -- hooks for other actors ----------------------------------------------------------
     def rate_limited(self, scope: str) -> None:
         """Count one request refused by a limit (``scope``: ip, key, tokens, concurrency...)."""
-        self.rate_limited_requests.labels(self._small(scope)).inc()
+        self._rate_limited(self._small(scope)).inc()
 
     def unpriced(self, model: str) -> None:
         """Count one call recorded at zero cost because its model has no price."""
@@ -375,8 +384,8 @@ class GatewayMetrics:
         if usage.prompt_tokens or usage.completion_tokens:
             self._tokens(requested, "input").inc(usage.prompt_tokens)
             self._tokens(requested, "output").inc(usage.completion_tokens)
-            self._token_usage(requested, "input").observe(usage.prompt_tokens)
-            self._token_usage(requested, "output").observe(usage.completion_tokens)
+            self._token_usage["input"].observe(usage.prompt_tokens)
+            self._token_usage["output"].observe(usage.completion_tokens)
         cost = cost_of(record)
         if cost:
             self._cost(requested).inc(cost)
@@ -385,10 +394,21 @@ class GatewayMetrics:
 
     # -- scrape --------------------------------------------------------------------------
     async def render(self) -> bytes:
-        """The exposition text: live state read here, on the loop; text made in a thread."""
-        families = self._read_live_state()
-        scrape = _Scrape(self.registry, families)
-        return await asyncio.get_running_loop().run_in_executor(None, generate_latest, scrape)
+        """The exposition text: live state read here, on the loop; text made in a thread.
+
+        Scrapes arriving while one renders share its result instead of starting another.
+        """
+        rendering = self._rendering
+        if rendering is None:
+            scrape = _Scrape(self.registry, self._read_live_state())
+            rendering = asyncio.get_running_loop().run_in_executor(None, generate_latest, scrape)
+            self._rendering = rendering
+            rendering.add_done_callback(self._rendered)
+        return await asyncio.shield(rendering)
+
+    def _rendered(self, rendering: asyncio.Future[bytes]) -> None:
+        if self._rendering is rendering:
+            self._rendering = None
 
     def render_now(self) -> bytes:
         """The exposition text, made on the calling thread (tests, tools)."""

@@ -101,35 +101,33 @@ async def test_a_real_prometheus_scrapes_metrics(gateway: Gateway, api_key: str,
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     with (tmp_path / "prometheus.log").open("wb") as log:
-        proc = subprocess.Popen(
-            [binary, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT,
+        proc = await asyncio.create_subprocess_exec(
+            binary, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}", stdout=log, stderr=subprocess.STDOUT,
         )
     api = f"http://127.0.0.1:{port}/api/v1"
     try:
         result = await _until_scraped(api, proc)
         assert result, (tmp_path / "prometheus.log").read_text()[-2000:]
-        async with aiohttp.ClientSession() as session:
-            async with session.get(f"{api}/rules") as r:
-                groups = (await r.json())["data"]["groups"]
+        async with aiohttp.ClientSession() as session, session.get(f"{api}/rules") as r:
+            groups = (await r.json())["data"]["groups"]
         assert {g["name"] for g in groups} >= {"llm-gateway-alerts", "llm-gateway-recording"}
         assert all(rule["health"] != "err" for g in groups for rule in g["rules"])
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
+            await asyncio.wait_for(proc.wait(), 10)
+        except TimeoutError:
             proc.kill()
-            proc.wait(timeout=10)
+            await proc.wait()
 
 
-async def _until_scraped(api: str, proc: subprocess.Popen[bytes]) -> list[Any]:
+async def _until_scraped(api: str, proc: asyncio.subprocess.Process) -> list[Any]:
     """Poll until Prometheus holds the gateway's chat request counter (bounded: 30 s)."""
     query = 'gateway_requests_total{route="/v1/chat/completions",status="200"}'
     deadline = time.monotonic() + 30
     async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline and proc.poll() is None:
+        while time.monotonic() < deadline and proc.returncode is None:
             try:
                 async with session.get(f"{api}/query", params={"query": query}) as r:
                     if r.status == 200:
