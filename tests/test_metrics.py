@@ -265,3 +265,25 @@ async def test_concurrent_scrapes_share_one_rendering() -> None:
     assert first is second  # one rendering in the worker thread, two answers
     third = await metrics.render()
     assert third is not first and third == first
+
+
+async def test_circuit_state_follows_the_breaker(gateway_factory: Any, fake: FakeUpstream, api_key: str) -> None:
+    config = config_for(fake.url, circuit_breaker={"fail_max": 2, "reset_timeout_seconds": 60})
+    gw = await gateway_factory(env={"UPSTREAM_MAX_RETRIES": "0"}, config_yaml=config)
+    _, samples = await scrape(gw)
+    assert value(samples, "gateway_circuit_state", deployment="fake/*") == 0
+    await fake.script({"status": 500}, {"status": 500})
+    for _ in range(2):
+        resp = await gw.data.post("/v1/chat/completions", json=chat_body(), headers=auth(api_key))
+        assert resp.status == 500
+    for _ in range(100):  # the breaker actor folds reports in asynchronously
+        _, samples = await scrape(gw)
+        if value(samples, "gateway_circuit_state", deployment="fake/*") == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert value(samples, "gateway_circuit_state", deployment="fake/*") == 2
+    assert value(samples, "gateway_actor_up", actor="breaker") == 1
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(), headers=auth(api_key))
+    assert resp.status == 503  # circuit_open
+    _, samples = await scrape(gw)
+    assert value(samples, "gateway_requests_total", route="/v1/chat/completions", status="503") == 1
