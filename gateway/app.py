@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
@@ -129,8 +129,14 @@ def build_data_app(state: GatewayState) -> web.Application:
     return app
 
 
-def build_management_app(state: GatewayState) -> web.Application:
-    """The management plane: health, Prometheus metrics, the admin API, its OpenAPI document."""
+def build_management_app(
+    state: GatewayState, *, metrics_handler: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None
+) -> web.Application:
+    """The management plane: health, Prometheus metrics, the admin API, its OpenAPI document.
+
+    ``metrics_handler`` replaces this process's own ``/metrics`` (``serve --workers``
+    serves the aggregation of its workers' registries instead).
+    """
     settings = state.settings
     # No origin unless MANAGEMENT_CORS_ORIGINS lists it ('*' is refused by load_settings).
     cors = CorsPolicy(
@@ -147,7 +153,7 @@ def build_management_app(state: GatewayState) -> web.Application:
     app.on_response_prepare.append(security_headers(MANAGEMENT_HEADERS))
     app.on_response_prepare.append(cors.on_prepare)
     app.router.add_get("/healthz", dataplane.healthz)
-    app.router.add_get("/metrics", telemetry.metrics_endpoint)
+    app.router.add_get("/metrics", metrics_handler or telemetry.metrics_endpoint)
     app.router.add_get("/openapi.json", openapi.document_handler(openapi.management_document()))
     admin.add_admin_routes(app.router)
     return app

@@ -24,6 +24,7 @@ from gateway.db import DatabaseUnavailable, EmbeddedUnavailable, connect_pool, m
 from gateway.keys import KeyNotFound, KeyPolicy, KeyRecord, KeyStore
 from gateway.logs import LOG_FORMATS, LogSetup, configure_logging
 from gateway.server import resolve_database_url, run, serve
+from gateway.workers import supervise_workers
 
 __all__ = ["main"]
 
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_cmd = commands.add_parser("serve", help="apply migrations, then serve both planes")
     serve_cmd.add_argument("--no-migrate", action="store_true", help="skip migrations (run them as a release step)")
+    serve_cmd.add_argument("--workers", type=_positive_int, default=1,
+                           help="data-plane processes sharing BIND_ADDR (SO_REUSEPORT); default 1")
+    serve_cmd.add_argument("--worker-socket", help=argparse.SUPPRESS)  # set by --workers for its children
     serve_cmd.add_argument("--log-format", default=os.environ.get("LOG_FORMAT", "json"), choices=LOG_FORMATS,
                            help="json: one object per line (default); text: for humans")
     serve_cmd.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"),
@@ -212,7 +216,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = load_config(settings)
             logs.add_secrets(_secrets(settings, config))
             dsn, embedded = resolve_database_url(settings)
-            run(serve(settings, config, dsn, embedded=embedded, migrate=not args.no_migrate))
+            if args.workers > 1:
+                run(supervise_workers(
+                    settings, config, dsn, embedded=embedded, workers=args.workers, migrate=not args.no_migrate
+                ))
+            else:
+                run(serve(
+                    settings, config, dsn, embedded=embedded, migrate=not args.no_migrate,
+                    worker_socket=args.worker_socket,
+                ))
             return 0
         _configure_logging("warning")
         if args.command == "migrate":

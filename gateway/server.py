@@ -38,8 +38,16 @@ def resolve_database_url(settings: Settings) -> tuple[str, bool]:
     return embedded_database_url(settings.home), True
 
 
-async def serve(settings: Settings, config: GatewayConfig, dsn: str, *, embedded: bool, migrate: bool = True) -> None:
-    """Serve until a signal; returns after an orderly shutdown."""
+async def serve(
+    settings: Settings, config: GatewayConfig, dsn: str, *, embedded: bool, migrate: bool = True,
+    worker_socket: str | None = None,
+) -> None:
+    """Serve until a signal; returns after an orderly shutdown.
+
+    As one of ``serve --workers N`` (``worker_socket`` set), the data port is shared with
+    the other workers (SO_REUSEPORT) and the management plane listens only on that
+    private unix socket, for the supervisor to aggregate.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals_seen = 0
@@ -78,8 +86,14 @@ async def serve(settings: Settings, config: GatewayConfig, dsn: str, *, embedded
         await data_runner.setup()
         await mgmt_runner.setup()
         try:
-            await web.TCPSite(data_runner, settings.bind_host, settings.bind_port, backlog=1024).start()
-            await web.TCPSite(mgmt_runner, settings.management_host, settings.management_port).start()
+            await web.TCPSite(
+                data_runner, settings.bind_host, settings.bind_port, backlog=1024,
+                reuse_port=worker_socket is not None,
+            ).start()
+            if worker_socket is not None:
+                await web.UnixSite(mgmt_runner, worker_socket).start()
+            else:
+                await web.TCPSite(mgmt_runner, settings.management_host, settings.management_port).start()
             print(
                 f"llm-gateway serving data plane on http://{settings.bind_host}:{settings.bind_port}"
                 f" and management plane on http://{settings.management_host}:{settings.management_port}",
