@@ -268,9 +268,14 @@ class RedisWindowStorage(Storage, SlidingWindowCounterSupport):
         await self._send(int, "DEL", self._key(key))
 
     async def check(self) -> bool:
-        """One PING, not batched: True when Redis answers within the timeout."""
+        """One PING on a fresh connection, not batched: True when Redis answers in time.
+
+        Pooled connections are dropped first: after an outage they may be dead without
+        knowing it, and the next pipeline must not be the one to find out.
+        """
         try:
             async with asyncio.timeout(self._timeout):
+                await self._client.connection_pool.disconnect()
                 return bool(await self._client.ping())
         except Exception:  # noqa: BLE001 - any failure means "not healthy"
             return False
