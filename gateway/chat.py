@@ -27,8 +27,8 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.middleware import request_id_of
-from gateway.ratelimit import admit
 from gateway.providers.base import ProviderError, UpstreamTimeoutError
+from gateway.ratelimit import admit
 from gateway.routing import Route
 from gateway.sse import event_data
 from gateway.state import STATE, GatewayState
