@@ -459,11 +459,12 @@ class Windows:
     """One ``limits`` strategy over one storage, as the limiter uses it.
 
     ``name`` says which storage ("memory", "redis", "postgres"); ``immediate`` storages
-    answer without I/O, so operations run one after the other (no task per operation);
-    the others run together so a Redis storage batches them into one pipeline.
+    answer without I/O. Operations of one request run together only on Redis, whose
+    pipeline keeps them in order; elsewhere one after the other (memory: no task per
+    operation; PostgreSQL: on separate connections a read could overtake the hit before it).
     """
 
-    __slots__ = ("_fixed", "_refund_rejected", "immediate", "name", "storage", "strategy")
+    __slots__ = ("_batches", "_fixed", "_refund_rejected", "immediate", "name", "storage", "strategy")
 
     def __init__(self, name: str, storage: Storage, strategy: str) -> None:
         if strategy not in ("sliding-window", "fixed-window"):
@@ -475,6 +476,7 @@ class Windows:
             FixedWindowRateLimiter(storage) if self._fixed else SlidingWindowCounterRateLimiter(storage)
         )
         self.immediate = isinstance(storage, MemoryStorage)
+        self._batches = isinstance(storage, RedisWindowStorage)
         self._refund_rejected = self._fixed and getattr(storage, "consumes_on_rejection", True)
 
     async def hit(self, item: RateLimitItem, *ids: str, cost: int = 1) -> bool:
@@ -505,8 +507,8 @@ class Windows:
             await storage.acquire_sliding_window_entry(key, UNBOUNDED, item.get_expiry(), amount)
 
     async def together(self, *ops: Coroutine[Any, Any, Any]) -> list[Any]:
-        """Run ``ops``: in order for an immediate storage, else concurrently (one pipeline)."""
-        if self.immediate:
+        """Run ``ops`` in order: concurrently into one pipeline on Redis, else one by one."""
+        if not self._batches:
             return [await op for op in ops]
         return list(await asyncio.gather(*ops))
 
