@@ -17,8 +17,9 @@ from aiohttp import web
 
 from actors.auth import AuthActor, AuthHandle
 from actors.breaker import BreakerActor, BreakerHandle
+from actors.limiter import LimiterActor, LimiterHandle
 from actors.runtime import Supervisor
-from gateway import admin, chat, dataplane, openapi, telemetry
+from gateway import admin, chat, dataplane, openapi, ratelimit, telemetry
 from gateway.config import ConfigError, GatewayConfig, Settings
 from gateway.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
 from gateway.db import connect_pool, migrate
@@ -78,6 +79,8 @@ async def gateway_state(
         auth_ref = await supervisor.start(auth_actor)
         breaker_actor = BreakerActor(config.circuit_breaker)
         breaker_ref = await supervisor.start(breaker_actor)
+        limiter_actor = LimiterActor(config.rate_limits, redis_url=settings.redis_url, pool=pool)
+        limiter_ref = await supervisor.start(limiter_actor)
         providers = _providers(config, session, settings)
         state = GatewayState(
             settings=settings,
@@ -93,6 +96,7 @@ async def gateway_state(
             retry_policy=RetryPolicy(max_retries=settings.upstream_max_retries),
             breaker=BreakerHandle(breaker_actor, breaker_ref),
             tracing=tracing,
+            limiter=LimiterHandle(limiter_actor, limiter_ref),
         )
         # Last, so the metrics listener runs after billing's (which may price the call).
         telemetry.install(state)
@@ -114,12 +118,13 @@ def build_data_app(state: GatewayState) -> web.Application:
     )
     # The body limit is enforced by our reader; aiohttp's own cap sits just above it.
     app = web.Application(
-        middlewares=[telemetry.observe, cors.middleware, error_middleware],
+        middlewares=[telemetry.observe, cors.middleware, error_middleware, ratelimit.ratelimit_middleware],
         client_max_size=state.settings.body_limit + 1024,
     )
     app[STATE] = state
     app.on_response_prepare.append(security_headers({}))
     app.on_response_prepare.append(cors.on_prepare)
+    app.on_response_prepare.append(ratelimit.add_ratelimit_headers)
     app.router.add_get("/openapi.json", openapi.document_handler(openapi.data_plane_document()))
     app.router.add_get("/healthz", dataplane.healthz)
     app.router.add_get("/readyz", dataplane.readyz)

@@ -28,6 +28,7 @@ from gateway.errors import (
 )
 from gateway.middleware import request_id_of
 from gateway.providers.base import ProviderError, UpstreamTimeoutError
+from gateway.ratelimit import admit
 from gateway.routing import Route
 from gateway.sse import event_data
 from gateway.state import STATE, GatewayState
@@ -95,6 +96,8 @@ def _wants_usage(body: dict[str, Any]) -> bool:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     key = await state.auth.authenticate(bearer_token(request))
+    # Released by the rate-limit middleware on every path; it charges record's usage then.
+    permit = await admit(request, key)
     body = await read_json_body(request, state.settings.body_limit)
     model, stream = parse_chat_body(body)
     route = state.router.resolve(model, key.policy.allowed_models)
@@ -105,6 +108,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         requested_model=model,
         stream=stream,
     )
+    permit.track(record)
     started = time.monotonic()
     observed = telemetry.begin_call(request, record, body)
     try:

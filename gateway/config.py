@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from limits import parse as parse_limit
 
 __all__ = [
     "BreakerSettings",
@@ -272,9 +273,19 @@ class BreakerSettings:
 
 @dataclass(frozen=True, slots=True)
 class RateLimitSettings:
+    """``rate_limits``: where windows live and the per-IP flood guard (docs/rate-limits.md).
+
+    ``storage`` None means Redis when ``REDIS_URL`` is set, else memory; ``postgres``
+    means per-key request windows in the gateway's own database. ``per_ip`` is one
+    ``limits`` string or ``off``; ``per_ip_burst`` None means as many as the rate's amount.
+    """
+
     storage: str | None = None
     per_ip: str = "100/second"
     strategy: str = "sliding-window"
+    per_ip_burst: int | None = None
+    #: Prefix of every Redis key; replicas sharing windows must share it.
+    key_prefix: str = "llmg"
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,6 +445,40 @@ def _model_group(raw: Any, path: str, providers: Mapping[str, ProviderConfig]) -
     )
 
 
+#: URL prefixes ``rate_limits.storage`` accepts, besides the bare word ``postgres``.
+RATE_LIMIT_STORAGE_PREFIXES = (
+    "memory://", "redis://", "rediss://", "async+redis://", "async+rediss://", "postgresql://", "postgres://",
+)
+
+
+def _rate_limits(rl: _Section) -> RateLimitSettings:
+    """The ``rate_limits`` section; limit strings are checked with the ``limits`` parser."""
+    storage = rl.text("storage")
+    if storage is not None and storage != "postgres" and not storage.startswith(RATE_LIMIT_STORAGE_PREFIXES):
+        raise ConfigError(
+            "rate_limits.storage: expected memory://, redis://HOST:PORT/DB, postgres (the gateway's "
+            "database) or postgresql://..."
+        )
+    per_ip = rl.text("per_ip", "100/second")
+    if per_ip != "off":
+        try:
+            valid = parse_limit(per_ip).amount >= 1 and not any(sep in per_ip for sep in ",;|")
+        except ValueError:
+            valid = False
+        if not valid:
+            raise ConfigError(f"rate_limits.per_ip: expected one limit like '100/second', or 'off'; got {per_ip!r}")
+    key_prefix = rl.text("key_prefix", "llmg")
+    if not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,64}", key_prefix):
+        raise ConfigError("rate_limits.key_prefix: expected 1-64 letters, digits or ._:-")
+    return RateLimitSettings(
+        storage=storage,
+        per_ip=per_ip,
+        strategy=rl.choice("strategy", "sliding-window", ("sliding-window", "fixed-window")),
+        per_ip_burst=rl.num("per_ip_burst", None, integer=True),
+        key_prefix=key_prefix,
+    )
+
+
 def default_config(settings: Settings) -> GatewayConfig:
     """No config file: Venice with every model passed through if keyed, else the mock."""
     if settings.venice_api_key:
@@ -483,7 +528,10 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
         top.raw.get("circuit_breaker") or {}, "circuit_breaker",
         ("fail_max", "reset_timeout_seconds", "idle_purge_seconds"),
     )
-    rl = _Section(top.raw.get("rate_limits") or {}, "rate_limits", ("storage", "per_ip", "strategy"))
+    rl = _Section(
+        top.raw.get("rate_limits") or {}, "rate_limits",
+        ("storage", "per_ip", "strategy", "per_ip_burst", "key_prefix"),
+    )
     return GatewayConfig(
         providers=providers,
         models=models,
@@ -492,9 +540,5 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
             reset_timeout=float(cb.num("reset_timeout_seconds", 60.0, minimum=0.001)),
             idle_purge=float(cb.num("idle_purge_seconds", 60.0, minimum=0.001)),
         ),
-        rate_limits=RateLimitSettings(
-            storage=rl.text("storage"),
-            per_ip=rl.text("per_ip", "100/second"),
-            strategy=rl.choice("strategy", "sliding-window", ("sliding-window", "fixed-window")),
-        ),
+        rate_limits=_rate_limits(rl),
     )

@@ -11,7 +11,9 @@ from aiohttp import web
 from gateway.chat import bearer_token, read_json_body
 from gateway.errors import InvalidRequest, UpstreamTimeout, UpstreamUnavailable
 from gateway.providers.base import ProviderError, UpstreamTimeoutError
+from gateway.ratelimit import admit
 from gateway.state import STATE
+from gateway.usage import usage_from_answer
 
 __all__ = ["embeddings", "healthz", "list_models", "readyz"]
 
@@ -38,7 +40,13 @@ async def readyz(request: web.Request) -> web.Response:
         problems[f"actor:{name}"] = "not running"
     if not state.auth.listening:
         problems["key_invalidation"] = "not listening for key changes"
-    body = {"status": "ok" if not problems else "unavailable", "checks": problems}
+    body: dict[str, object] = {"status": "ok" if not problems else "unavailable", "checks": problems}
+    # Degraded is still ready: limits keep working from memory (docs/rate-limits.md).
+    degraded = {f"rate_limits:{name}": why for name, why in state.limiter.degraded.items()}
+    if degraded:
+        body["degraded"] = degraded
+        if not problems:
+            body["status"] = "degraded"
     return web.Response(status=200 if not problems else 503, body=orjson.dumps(body), content_type="application/json")
 
 
@@ -46,6 +54,7 @@ async def list_models(request: web.Request) -> web.Response:
     """The model names this key may use, in OpenAI's list shape."""
     state = request.app[STATE]
     key = await state.auth.authenticate(bearer_token(request))
+    await admit(request, key)
     created = int(time.time())
     data = [
         {"id": name, "object": "model", "created": created, "owned_by": "llm-gateway"}
@@ -58,6 +67,7 @@ async def embeddings(request: web.Request) -> web.Response:
     """Proxied to the first deployment of the model's route that serves embeddings."""
     state = request.app[STATE]
     key = await state.auth.authenticate(bearer_token(request))
+    permit = await admit(request, key)
     body = await read_json_body(request, state.settings.body_limit)
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -73,6 +83,7 @@ async def embeddings(request: web.Request) -> web.Response:
         raise UpstreamTimeout() from None
     except ProviderError as exc:
         raise UpstreamUnavailable(f"upstream unavailable: {exc}") from None
+    permit.charge(usage_from_answer(reply.body)[0].total_tokens)
     return web.Response(
         status=reply.status,
         body=reply.body,

@@ -23,6 +23,7 @@ from gateway.usage import CallRecord
 if TYPE_CHECKING:
     from actors.auth import AuthHandle
     from actors.breaker import BreakerHandle, DeploymentStatus
+    from actors.limiter import LimiterHandle
 
 __all__ = ["STATE", "GatewayState"]
 
@@ -44,6 +45,7 @@ class GatewayState:
     retry_policy: RetryPolicy
     #: Circuit breakers and recent health per deployment (actors/breaker.py).
     breaker: BreakerHandle
+    limiter: LimiterHandle
     #: Called once per finished chat call (billing, metrics, logs subscribe here).
     call_listeners: list[Callable[[CallRecord], None]] = field(default_factory=list)
     draining: bool = False

@@ -167,7 +167,10 @@ def install(state: GatewayState) -> None:
         metrics.watch_billing(pending)
     degraded = _reader(state, "limiter", "degraded")
     if degraded is not None:
-        metrics.watch_limiter(degraded)
+        metrics.watch_limiter(lambda: bool(degraded()))
+    rejection_listeners = getattr(getattr(state, "limiter", None), "rejection_listeners", None)
+    if rejection_listeners is not None:
+        rejection_listeners.append(metrics.rate_limited)
     state.tracing.providers = state.providers
     state.call_listeners.append(metrics.observe_call)
 

@@ -394,3 +394,24 @@ def via_proxy(dsn: str, proxy_port: int) -> str:
     parts = urlsplit(dsn)
     user = f"{parts.username}@" if parts.username else ""
     return urlunsplit((parts.scheme, f"{user}127.0.0.1:{proxy_port}", parts.path, parts.query, ""))
+
+
+@pytest.fixture
+async def redis_proxy(redis_url: str) -> AsyncIterator[Any]:
+    """A cuttable TCP proxy in front of the test Redis; ``redis_via(proxy)`` is its URL."""
+    from urllib.parse import urlsplit
+
+    from tests.chaos import TcpProxy
+
+    parts = urlsplit(redis_url)
+    proxy = await TcpProxy.start(parts.hostname or "127.0.0.1", parts.port or 6379)
+    yield proxy
+    await proxy.close()
+
+
+def redis_via(redis_url: str, proxy_port: int) -> str:
+    """``redis_url`` rewritten to go through a proxy on 127.0.0.1:proxy_port."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(redis_url)
+    return urlunsplit((parts.scheme, f"127.0.0.1:{proxy_port}", parts.path, parts.query, ""))

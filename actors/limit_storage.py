@@ -1,0 +1,514 @@
+"""Where rate-limit windows live: ``limits`` storages the LimiterActor drives.
+
+The strategies stay the ``limits`` library's (sliding-window counter, fixed window);
+this module gives them three storages and one small wrapper:
+
+* :class:`LocalStorage`: the library's memory storage (one process, microseconds).
+* :class:`RedisWindowStorage`: Redis shared by every replica. Every command issued in
+  one event-loop turn, by any number of concurrent requests, goes out as ONE pipeline
+  (one round trip) instead of the 2-6 round trips per request of the library's own
+  Redis storage. It runs the library's own Lua scripts under the library's key layout,
+  plus two small scripts of ours for concurrency leases (``limits`` has no such thing).
+* :class:`PostgresWindowStorage`: per-key fixed windows in the seed's
+  ``api_key_rate_limit_windows`` table, one guarded upsert per hit, so a rejected hit
+  writes nothing.
+* :class:`Windows`: a strategy over a storage, with the operations the limiter needs:
+  ``hit`` (never consuming on rejection), ``stats``, and ``add`` (an unconditional
+  charge or refund, for token usage known only after the call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import inspect
+import math
+import time
+import uuid
+from collections.abc import Callable, Coroutine
+from datetime import datetime, timezone
+from typing import Any
+
+import asyncpg
+import redis.asyncio as aioredis
+from limits import RateLimitItem
+from limits.aio.storage import MemoryStorage, SlidingWindowCounterSupport, Storage
+from limits.aio.storage.redis.bridge import RedisBridge
+from limits.aio.strategies import FixedWindowRateLimiter, RateLimiter, SlidingWindowCounterRateLimiter
+from limits.util import WindowStats
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+
+__all__ = [
+    "STORAGE_ERRORS",
+    "LocalStorage",
+    "PostgresWindowStorage",
+    "RedisWindowStorage",
+    "Windows",
+]
+
+#: A limit so large that a sliding-window "acquire" always succeeds: how ``add`` charges.
+UNBOUNDED = 2**50
+
+#: What a storage raises when it is unreachable (the limiter then falls back to memory).
+STORAGE_ERRORS: tuple[type[BaseException], ...] = (
+    RedisError, OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError,
+)
+
+
+#: Methods ``limits`` wraps (in ``__init_subclass__``) to translate storage errors.
+_WRAPPED = (
+    "incr", "get", "get_expiry", "check", "reset", "clear",
+    "acquire_entry", "get_moving_window",
+    "acquire_sliding_window_entry", "get_sliding_window", "clear_sliding_window",
+)
+
+
+def _without_error_wrappers(cls: type[Storage]) -> type[Storage]:
+    """Undo ``limits``' per-class error wrappers on ``cls``.
+
+    The library wraps these methods again for every subclass in a hierarchy (twice for
+    the sliding-window ones), so a memory hit ran through ~10 wrapper frames, most of its
+    cost. With ``wrap_exceptions`` off, as here, a wrapper only re-raises: removing it
+    changes nothing but the cost.
+    """
+    for name in _WRAPPED:
+        method = getattr(cls, name, None)
+        if method is not None:
+            setattr(cls, name, inspect.unwrap(method))
+    return cls
+
+
+@_without_error_wrappers
+class LocalStorage(MemoryStorage):
+    """The library's memory storage; windows of this process only.
+
+    ``limits`` sweeps expired keys in a task it starts after any hit once the previous
+    sweep ended, and each sweep walks every key: under load that is one full walk per
+    event-loop turn. This subclass sweeps at most once per ``SWEEP_SECONDS``; reads
+    already ignore expired entries, so only memory use depends on the sweep.
+    """
+
+    SWEEP_SECONDS = 1.0
+
+    def __init__(self) -> None:
+        super().__init__("memory://")
+        self._next_sweep = 0.0
+
+    # The library calls its private ``__schedule_expiry`` (name-mangled to this) on hits.
+    async def _MemoryStorage__schedule_expiry(self) -> None:
+        now = time.monotonic()
+        if now < self._next_sweep:
+            return
+        self._next_sweep = now + self.SWEEP_SECONDS
+        await super()._MemoryStorage__schedule_expiry()  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- Redis
+# Concurrency leases: one sorted set per key, member = permit id, score = lease end (ms,
+# Redis clock, so replicas' clocks need not agree). A replica that dies mid-request
+# leaks nothing for longer than one lease.
+_SLOT_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[3]))
+return 1
+"""
+_SLOT_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local changed = redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
+redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
+return changed
+"""
+
+def _script_bytes(text: str | bytes) -> bytes:
+    return text if isinstance(text, bytes) else text.encode()
+
+
+#: The library's own scripts (its key layout and arithmetic) plus our two lease scripts.
+_SCRIPTS: dict[str, bytes] = {
+    "incr": _script_bytes(RedisBridge.SCRIPT_INCR_EXPIRE),
+    "sliding": _script_bytes(RedisBridge.SCRIPT_SLIDING_WINDOW),
+    "acquire_sliding": _script_bytes(RedisBridge.SCRIPT_ACQUIRE_SLIDING_WINDOW),
+    "slot_acquire": _script_bytes(_SLOT_ACQUIRE),
+    "slot_renew": _script_bytes(_SLOT_RENEW),
+}
+_SHAS: dict[str, str] = {name: hashlib.sha1(text).hexdigest() for name, text in _SCRIPTS.items()}
+
+_Queued = tuple[tuple[Any, ...], Callable[[Any], Any], "asyncio.Future[Any]"]
+
+
+def _sliding_tuple(reply: Any) -> tuple[int, float, int, float]:
+    # Same conversion as limits' redis-py bridge: counts, and TTLs from ms to seconds.
+    if not reply:
+        return 0, 0.0, 0, 0.0
+    return (
+        int(reply[0] or 0),
+        max(0.0, float(reply[1] or 0)) / 1000,
+        int(reply[2] or 0),
+        max(0.0, float(reply[3] or 0)) / 1000,
+    )
+
+
+@_without_error_wrappers
+class RedisWindowStorage(Storage, SlidingWindowCounterSupport):
+    """Redis windows shared by every replica, one pipeline per event-loop turn.
+
+    Each method queues its command and returns when the turn's pipeline has answered.
+    Keys are ``{key_prefix}:{limits key}`` (sliding windows: ``{key}`` and ``{key}/-1``,
+    as the library lays them out). Scripts are sent by hash; after a Redis restart
+    (``NOSCRIPT``) they are loaded again and only the affected commands re-sent.
+    The client never retries by itself: an unreachable Redis must fail fast so the
+    limiter falls back to memory at once.
+    """
+
+    def __init__(self, url: str, *, key_prefix: str, timeout: float = 1.0) -> None:
+        url = url.removeprefix("async+")
+        super().__init__(url)
+        self._client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+        )
+        self._timeout = timeout
+        self._prefix = key_prefix
+        self._queue: list[_Queued] = []
+        self._flush_scheduled = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: Pipelines and commands sent so far (the benchmark and tests read them).
+        self.pipelines = 0
+        self.commands = 0
+
+    @property
+    def base_exceptions(self) -> tuple[type[Exception], ...]:
+        return (RedisError, OSError)
+
+    # -- the batching --------------------------------------------------------------
+    def _send(self, convert: Callable[[Any], Any], *command: Any) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._queue.append((command, convert, fut))
+        if not self._flush_scheduled:
+            # Runs after every callback already due this turn: all of them queue first.
+            self._flush_scheduled = True
+            loop.call_soon(self._flush)
+        return fut
+
+    def _eval(self, convert: Callable[[Any], Any], script: str, keys: tuple[str, ...], *args: Any) -> asyncio.Future[Any]:
+        return self._send(convert, "EVALSHA", _SHAS[script], len(keys), *keys, *args)
+
+    def _flush(self) -> None:
+        batch, self._queue = self._queue, []
+        self._flush_scheduled = False
+        if batch:
+            task = asyncio.get_running_loop().create_task(self._run(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: list[_Queued]) -> None:
+        try:
+            replies = await self._execute([command for command, _, _ in batch])
+        except asyncio.CancelledError:
+            for _, _, fut in batch:
+                fut.cancel()
+            raise
+        except Exception as exc:  # noqa: BLE001 - every caller of the batch gets the failure
+            for _, _, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        for (_, convert, fut), reply in zip(batch, replies, strict=True):
+            if fut.done():
+                continue
+            if isinstance(reply, Exception):
+                fut.set_exception(reply)
+                continue
+            try:
+                fut.set_result(convert(reply))
+            except Exception as exc:  # noqa: BLE001 - a reply of an unexpected shape fails its own caller only
+                fut.set_exception(exc)
+
+    async def _execute(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        replies = await self._pipeline(commands)
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            await self.load_scripts()
+            again = await self._pipeline([commands[i] for i in missing])
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        return replies
+
+    async def _pipeline(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        self.pipelines += 1
+        self.commands += len(commands)
+        return list(await pipe.execute(raise_on_error=False))
+
+    async def load_scripts(self) -> None:
+        """Load every script (at start and after Redis lost them)."""
+        pipe = self._client.pipeline(transaction=False)
+        for text in _SCRIPTS.values():
+            pipe.script_load(text)
+        await pipe.execute()
+
+    def _key(self, key: str) -> str:
+        return f"{self._prefix}:{key}"
+
+    def _sliding_keys(self, key: str) -> tuple[str, str]:
+        current = self._key(f"{{{key}}}")
+        return f"{current}/-1", current
+
+    # -- limits' Storage API -----------------------------------------------------------
+    async def incr(self, key: str, expiry: int, amount: int = 1) -> int:
+        return int(await self._eval(int, "incr", (self._key(key),), int(expiry), amount))
+
+    async def get(self, key: str) -> int:
+        return int(await self._send(lambda v: int(v or 0), "GET", self._key(key)))
+
+    async def get_expiry(self, key: str) -> float:
+        return float(await self._send(lambda ttl: max(int(ttl), 0) + time.time(), "TTL", self._key(key)))
+
+    async def acquire_sliding_window_entry(self, key: str, limit: int, expiry: int, amount: int = 1) -> bool:
+        return bool(await self._eval(bool, "acquire_sliding", self._sliding_keys(key), limit, int(expiry), amount))
+
+    async def get_sliding_window(self, key: str, expiry: int) -> tuple[int, float, int, float]:
+        result: tuple[int, float, int, float] = await self._eval(
+            _sliding_tuple, "sliding", self._sliding_keys(key), int(expiry)
+        )
+        return result
+
+    async def clear_sliding_window(self, key: str, expiry: int) -> None:
+        await self._send(int, "DEL", *self._sliding_keys(key))
+
+    async def clear(self, key: str) -> None:
+        await self._send(int, "DEL", self._key(key))
+
+    async def check(self) -> bool:
+        """One PING on a fresh connection, not batched: True when Redis answers in time.
+
+        Pooled connections are dropped first: after an outage they may be dead without
+        knowing it, and the next pipeline must not be the one to find out.
+        """
+        try:
+            async with asyncio.timeout(self._timeout):
+                await self._client.connection_pool.disconnect()
+                return bool(await self._client.ping())
+        except Exception:  # noqa: BLE001 - any failure means "not healthy"
+            return False
+
+    async def reset(self) -> int | None:
+        """Delete every key under this storage's prefix (tests and the benchmark)."""
+        count = 0
+        async for key in self._client.scan_iter(match=f"{self._prefix}:*", count=1000):
+            count += int(await self._client.delete(key))
+        return count
+
+    # -- concurrency leases (ours: limits has no concurrency limit) ---------------------
+    async def slot_acquire(self, name: str, member: str, limit: int, lease_ms: int) -> bool:
+        """Take one of ``limit`` slots of ``name`` for ``lease_ms``; False when all are taken."""
+        return bool(await self._eval(bool, "slot_acquire", (self._key(name),), member, limit, lease_ms))
+
+    async def slot_renew(self, name: str, member: str, lease_ms: int) -> bool:
+        """Extend a held slot's lease (long streams outlive one lease)."""
+        return bool(await self._eval(bool, "slot_renew", (self._key(name),), member, lease_ms))
+
+    async def slot_release(self, name: str, member: str) -> None:
+        await self._send(int, "ZREM", self._key(name), member)
+
+    async def slots_held(self, name: str) -> int:
+        """How many slots of ``name`` are held now (tests)."""
+        return int(await self._send(int, "ZCARD", self._key(name)))
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await self._client.aclose()
+
+
+# --------------------------------------------------------------------------- PostgreSQL
+_GRANULARITY_SECONDS = {"second": 1, "minute": 60, "hour": 3600, "day": 86400}
+
+_UPSERT = """
+INSERT INTO api_key_rate_limit_windows AS w (api_key_id, window_start_at, window_seconds, request_count)
+VALUES ($1, $2, $3, $4)
+ON CONFLICT (api_key_id, window_start_at, window_seconds) DO UPDATE
+SET request_count = w.request_count + EXCLUDED.request_count, updated_at = now()
+WHERE w.request_count + EXCLUDED.request_count <= $5
+RETURNING request_count
+"""
+_REFUND = """
+UPDATE api_key_rate_limit_windows
+SET request_count = GREATEST(request_count + $4, 0), updated_at = now()
+WHERE api_key_id = $1 AND window_start_at = $2 AND window_seconds = $3
+RETURNING request_count
+"""
+_READ = """
+SELECT request_count FROM api_key_rate_limit_windows
+WHERE api_key_id = $1 AND window_start_at = $2 AND window_seconds = $3
+"""
+_PRUNE = """
+DELETE FROM api_key_rate_limit_windows
+WHERE window_start_at + make_interval(secs => window_seconds) < now() - make_interval(secs => $1)
+"""
+
+
+class _KeyWindow:
+    """A per-key limits key (``ns/req/<api_key_id>/<limit>/<multiples>/<granularity>``), parsed."""
+
+    __slots__ = ("api_key_id", "limit", "seconds")
+
+    def __init__(self, key: str) -> None:
+        parts = key.split("/")
+        try:
+            self.api_key_id = uuid.UUID(parts[-4])
+            self.limit = int(parts[-3])
+            self.seconds = int(parts[-2]) * _GRANULARITY_SECONDS[parts[-1]]
+        except (IndexError, ValueError, KeyError):
+            raise ValueError(f"not a per-key window: {key!r}") from None
+
+    def start(self, now: float) -> datetime:
+        """Windows are aligned to the epoch, so every replica computes the same start."""
+        return datetime.fromtimestamp(math.floor(now / self.seconds) * self.seconds, tz=timezone.utc)
+
+
+@_without_error_wrappers
+class PostgresWindowStorage(Storage):
+    """Per-key fixed windows in ``api_key_rate_limit_windows`` (seed 000), for ``limits``.
+
+    Only per-key request windows fit the seed's table (it references ``api_keys``), so
+    the limiter keeps per-IP and token windows elsewhere. The limit travels in the key
+    (``limits`` builds keys as ``.../<amount>/<multiples>/<granularity>``), which lets
+    ``incr`` be the seed's one upsert guarded by ``request_count < limit``: a rejected
+    hit writes nothing (the library's other storages count it, and are refunded).
+    """
+
+    #: The fixed-window strategy need not refund a rejected hit here.
+    consumes_on_rejection = False
+
+    def __init__(self, pool: asyncpg.Pool, *, timeout: float = 1.0) -> None:
+        super().__init__(None)
+        self._pool = pool
+        self._timeout = timeout
+
+    @property
+    def base_exceptions(self) -> tuple[type[Exception], ...]:
+        return (asyncpg.PostgresError, asyncpg.InterfaceError, OSError)
+
+    async def incr(self, key: str, expiry: int, amount: int = 1) -> int:
+        window = _KeyWindow(key)
+        start = window.start(time.time())
+        args = (window.api_key_id, start, window.seconds, amount)
+        if amount <= 0:
+            value = await self._pool.fetchval(_REFUND, *args, timeout=self._timeout)
+            return int(value or 0)
+        if amount > window.limit:
+            return window.limit + amount  # can never fit: refuse without writing
+        try:
+            value = await self._pool.fetchval(_UPSERT, *args, window.limit, timeout=self._timeout)
+        except asyncpg.ForeignKeyViolationError:
+            return window.limit + amount  # the key row is gone: refuse, this is no outage
+        # No row back: the guard refused, nothing was written; report "over the limit".
+        return window.limit + amount if value is None else int(value)
+
+    async def get(self, key: str) -> int:
+        window = _KeyWindow(key)
+        value = await self._pool.fetchval(
+            _READ, window.api_key_id, window.start(time.time()), window.seconds, timeout=self._timeout
+        )
+        return int(value or 0)
+
+    async def get_expiry(self, key: str) -> float:
+        window = _KeyWindow(key)
+        return window.start(time.time()).timestamp() + window.seconds
+
+    async def check(self) -> bool:
+        try:
+            return bool(await self._pool.fetchval("SELECT true", timeout=self._timeout))
+        except Exception:  # noqa: BLE001 - any failure means "not healthy"
+            return False
+
+    async def reset(self) -> int | None:
+        result = await self._pool.execute("DELETE FROM api_key_rate_limit_windows", timeout=self._timeout)
+        return int(result.split()[-1])
+
+    async def clear(self, key: str) -> None:
+        window = _KeyWindow(key)
+        await self._pool.execute(
+            "DELETE FROM api_key_rate_limit_windows WHERE api_key_id = $1 AND window_seconds = $2",
+            window.api_key_id, window.seconds, timeout=self._timeout,
+        )
+
+    async def prune(self, grace_seconds: float = 60.0) -> int:
+        """Delete windows that ended more than ``grace_seconds`` ago; returns how many."""
+        result = await self._pool.execute(_PRUNE, float(grace_seconds), timeout=10)
+        return int(result.split()[-1])
+
+
+# --------------------------------------------------------------------------- strategy
+class Windows:
+    """One ``limits`` strategy over one storage, as the limiter uses it.
+
+    ``name`` says which storage ("memory", "redis", "postgres"); ``immediate`` storages
+    answer without I/O. Operations of one request run together only on Redis, whose
+    pipeline keeps them in order; elsewhere one after the other (memory: no task per
+    operation; PostgreSQL: on separate connections a read could overtake the hit before it).
+    """
+
+    __slots__ = ("_batches", "_fixed", "_refund_rejected", "immediate", "name", "storage", "strategy")
+
+    def __init__(self, name: str, storage: Storage, strategy: str) -> None:
+        if strategy not in ("sliding-window", "fixed-window"):
+            raise ValueError(f"unknown strategy {strategy!r}")
+        self.name = name
+        self.storage = storage
+        self._fixed = strategy == "fixed-window"
+        self.strategy: RateLimiter = (
+            FixedWindowRateLimiter(storage) if self._fixed else SlidingWindowCounterRateLimiter(storage)
+        )
+        self.immediate = isinstance(storage, MemoryStorage)
+        self._batches = isinstance(storage, RedisWindowStorage)
+        self._refund_rejected = self._fixed and getattr(storage, "consumes_on_rejection", True)
+
+    async def hit(self, item: RateLimitItem, *ids: str, cost: int = 1) -> bool:
+        """Consume ``cost`` if it fits; a rejected hit consumes nothing."""
+        if await self.strategy.hit(item, *ids, cost=cost):
+            return True
+        if self._refund_rejected:
+            # limits' fixed window counts a rejected hit (INCRBY, then compare): give it back.
+            await self.add(item, *ids, amount=-cost)
+        return False
+
+    async def stats(self, item: RateLimitItem, *ids: str) -> WindowStats:
+        """(reset time, remaining) of the window, as ``limits`` computes them."""
+        return await self.strategy.get_window_stats(item, *ids)
+
+    async def add(self, item: RateLimitItem, *ids: str, amount: int) -> None:
+        """Add ``amount`` whatever is left (negative: a refund).
+
+        Token usage is known only after the call and must always count, even past the
+        limit; the library's ``hit`` refuses a cost over what is left, so this goes to
+        the storage under the strategy's own key.
+        """
+        key = item.key_for(*ids)
+        if self._fixed:
+            await self.storage.incr(key, item.get_expiry(), amount)
+        else:
+            storage: Any = self.storage
+            await storage.acquire_sliding_window_entry(key, UNBOUNDED, item.get_expiry(), amount)
+
+    async def together(self, *ops: Coroutine[Any, Any, Any]) -> list[Any]:
+        """Run ``ops`` in order: concurrently into one pipeline on Redis, else one by one."""
+        if not self._batches:
+            return [await op for op in ops]
+        return list(await asyncio.gather(*ops))
+

@@ -1,0 +1,850 @@
+"""LimiterActor: every rate limit and quota, and the handle the edge calls.
+
+The edge asks twice per request: :meth:`LimiterHandle.check_ip` before authentication
+(a flood guard per client address, which therefore also shields the database), and
+:meth:`LimiterHandle.acquire` after it (the key's own limits). State it owns:
+
+* the windows, through ``limits`` strategies over a storage (:mod:`actors.limit_storage`):
+  memory for one instance, Redis shared by every replica, or per-key request windows in
+  PostgreSQL (the seed's table); per-IP and token windows never go to PostgreSQL;
+* per key: requests per window (``rate_limit_requests`` per
+  ``rate_limit_window_seconds``), tokens per minute (checked before the call against what
+  is left, charged with the real usage when the call ends) and concurrent requests
+  (a count in memory, or leases in Redis renewed while the request runs);
+* the degraded state: when a remote storage fails, decisions move to this process's
+  memory at once, a probe watches the storage, and it is used again when it answers;
+* counts of rejections by scope (``ip``, ``requests``, ``tokens``, ``concurrency``).
+
+A rejected request consumes nothing: hits the library counted anyway are refunded, a
+concurrency slot taken alongside a rejected hit is given back.
+
+Memory decisions are made inside the actor's loop with no I/O (microseconds). Remote
+ones run as tasks; their storage commands of one event-loop turn share one Redis
+pipeline, and each result comes back on the internal lane, where state changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+from limits import RateLimitItem, RateLimitItemPerSecond, parse
+
+from actors.limit_storage import (
+    STORAGE_ERRORS,
+    LocalStorage,
+    PostgresWindowStorage,
+    RedisWindowStorage,
+    Windows,
+)
+from actors.runtime import Actor, ActorRef
+from gateway.config import RateLimitSettings
+from gateway.errors import RateLimited
+
+if TYPE_CHECKING:
+    from actors.auth import VerifiedKey
+    from gateway.usage import CallRecord
+
+__all__ = [
+    "Acquire",
+    "CheckIp",
+    "Decision",
+    "LimiterActor",
+    "LimiterHandle",
+    "Permit",
+    "Release",
+    "StorageDown",
+    "reset_header",
+]
+
+log = logging.getLogger("gateway.limiter")
+
+SCOPES = ("ip", "requests", "tokens", "concurrency")
+
+
+def reset_header(seconds: float) -> str:
+    """A duration as OpenAI writes ``x-ratelimit-reset-*``: ``20ms``, ``1s``, ``6m0s``, ``1h2m3.5s``."""
+    ms = max(0, math.ceil(seconds * 1000))
+    if ms < 1000:
+        return f"{ms}ms"
+    hours, rest = divmod(ms, 3_600_000)
+    minutes, rest = divmod(rest, 60_000)
+    secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    if hours:
+        return f"{hours}h{minutes}m{secs}s"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
+
+
+class StorageDown(Exception):
+    """A remote storage failed while deciding; the limiter falls back to memory."""
+
+    def __init__(self, store: str, error: BaseException) -> None:
+        super().__init__(f"{store} storage failed: {error!r}")
+        self.store = store
+        self.error = error
+
+
+# -- messages ----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class CheckIp:
+    """May one more request from ``ip`` pass the flood guard? Replies with a Decision."""
+
+    ip: str
+
+
+@dataclass(frozen=True, slots=True)
+class Acquire:
+    """Admit one request of a key under its limits; replies with a Decision."""
+
+    #: Unique across replicas: names the request's concurrency lease in Redis.
+    permit_id: str
+    api_key_id: str
+    requests: int
+    window_seconds: int
+    tokens_per_minute: int | None
+    max_concurrent: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """The request ended (internal lane, never shed): free its slot, charge its tokens.
+
+    ``abandoned``: the asker gave up before the answer; undo a grant if one comes.
+    """
+
+    permit_id: str
+    api_key_id: str
+    tokens_per_minute: int | None
+    tokens: int
+    abandoned: bool = False
+
+
+# -- replies -----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer to a check: allowed or not, and what the client is told."""
+
+    allowed: bool
+    #: Which limit refused (one of SCOPES), None when allowed.
+    scope: str | None = None
+    retry_after: float = 0.0
+    message: str = ""
+    #: ``x-ratelimit-*`` headers of this answer (per-key checks only).
+    headers: tuple[tuple[str, str], ...] = ()
+    #: The request holds a concurrency slot until released.
+    holds_slot: bool = False
+
+
+_ALLOWED = Decision(allowed=True)
+
+
+# -- internal results --------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    decision: Decision
+    redis_slot: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Decided:
+    msg: CheckIp | Acquire
+    reply: asyncio.Future[Decision]
+    outcome: _Outcome | None
+    error: BaseException | None
+    local_slot: bool | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Recovered:
+    store: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Charged:
+    msg: Release
+    error: BaseException | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Unreleased:
+    slot: str
+    member: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    api_key_id: str
+    where: str  # "local" | "redis"
+
+
+class _Store:
+    """A place windows live: its primary storage and, if remote, a memory fallback."""
+
+    __slots__ = ("down", "fallback", "name", "primary")
+
+    def __init__(self, primary: Windows, fallback: Windows | None) -> None:
+        self.name = primary.name
+        self.primary = primary
+        self.fallback = fallback
+        self.down = False
+
+    def current(self) -> Windows:
+        return self.fallback if self.down and self.fallback is not None else self.primary
+
+
+class LimiterActor(Actor[CheckIp | Acquire]):
+    """Owns every window; see the module docstring."""
+
+    name = "limiter"
+    ask_timeout = 2.0
+
+    def __init__(
+        self,
+        settings: RateLimitSettings,
+        *,
+        redis_url: str | None = None,
+        pool: asyncpg.Pool | None = None,
+        mailbox_size: int = 8192,
+        lease_seconds: float = 30.0,
+        probe_seconds: float = 0.5,
+        storage_timeout: float = 1.0,
+    ) -> None:
+        self.mailbox_size = mailbox_size
+        super().__init__()
+        self._settings = settings
+        self._redis_url = redis_url
+        self._pool = pool
+        self._lease_ms = int(lease_seconds * 1000)
+        self._probe_seconds = probe_seconds
+        self._storage_timeout = storage_timeout
+        self._ip_items = _ip_items(settings)
+        self._items: dict[tuple[int, int], RateLimitItem] = {}
+        self._own_pool: asyncpg.Pool | None = None
+        self._redis: RedisWindowStorage | None = None
+        self._shared: _Store | None = None
+        self._requests: _Store | None = None
+        self._inflight: dict[str, int] = {}
+        self._held: dict[str, _Held] = {}
+        self._abandoned: dict[str, float] = {}
+        self._unreleased: list[tuple[str, str]] = []
+        self._tick_task: asyncio.Task[None] | None = None
+        self._last_prune = 0.0
+        self._rejections: Counter[str] = Counter()
+        self._degraded: dict[str, str] = {}
+        #: Rejections so far by scope (read-only view for metrics).
+        self.rejections: Mapping[str, int] = MappingProxyType(self._rejections)
+        #: Storages currently replaced by memory, with why (read-only view for /readyz).
+        self.degraded: Mapping[str, str] = MappingProxyType(self._degraded)
+        #: Called with the scope of every rejection, in the actor's loop (metrics hook).
+        self.rejection_listeners: list[Callable[[str], None]] = []
+        #: Whether the per-IP flood guard is on (``per_ip: off`` turns it off).
+        self.guards_ip = bool(self._ip_items)
+        self.description = ""
+
+    # -- lifecycle ----------------------------------------------------------------------
+    async def on_start(self) -> None:
+        settings = self._settings
+        storage = settings.storage
+        strategy = settings.strategy
+        redis_url = self._redis_url
+        if storage is not None and storage.startswith(("redis", "rediss", "async+redis")):
+            redis_url = storage
+        elif storage is not None and storage.startswith("memory"):
+            redis_url = None
+        if redis_url:
+            self._redis = RedisWindowStorage(redis_url, key_prefix=settings.key_prefix, timeout=self._storage_timeout)
+            self._shared = _Store(Windows("redis", self._redis, strategy), Windows("memory", LocalStorage(), strategy))
+        else:
+            self._shared = _Store(Windows("memory", LocalStorage(), strategy), None)
+        if storage is not None and storage.startswith("postgres"):
+            pool = self._pool
+            if storage != "postgres":
+                # min_size=0: a database that is down at start degrades; it does not stop start-up.
+                pool = self._own_pool = await asyncpg.create_pool(storage, min_size=0, max_size=4)
+            if pool is None:
+                raise ValueError("rate_limits.storage: postgres needs the gateway's database pool")
+            # PostgreSQL holds fixed windows only (the seed's table), whatever `strategy` says.
+            self._requests = _Store(
+                Windows("postgres", PostgresWindowStorage(pool, timeout=self._storage_timeout), "fixed-window"),
+                Windows("memory", LocalStorage(), "fixed-window"),
+            )
+        else:
+            self._requests = self._shared
+        self.description = self._describe()
+        if self._redis is not None:
+            try:
+                await self._redis.load_scripts()
+            except Exception as exc:  # noqa: BLE001 - Redis down at start: serve from memory
+                self._degrade(self._shared, exc)
+        self._tick_task = asyncio.get_running_loop().create_task(self._tick_forever())
+        log.info("rate limits: %s", self.description)
+
+    async def on_stop(self) -> None:
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+        if self._redis is not None:
+            await self._redis.close()
+        if self._own_pool is not None:
+            await self._own_pool.close()
+
+    def _describe(self) -> str:
+        assert self._shared is not None and self._requests is not None
+        ip = ", ".join(str(i) for i in self._ip_items) or "off"
+        return (
+            f"per-IP {ip} and tokens in {self._shared.name}, per-key requests in {self._requests.name} "
+            f"({self._requests.primary.strategy.__class__.__name__}), concurrency in "
+            f"{'redis' if self._redis is not None else 'memory'}"
+        )
+
+    # -- messages -----------------------------------------------------------------------
+    async def receive(self, msg: CheckIp | Acquire) -> Any:
+        assert self._shared is not None and self._requests is not None
+        if isinstance(msg, CheckIp):
+            windows = self._shared.current()
+            if windows.immediate:
+                return self._settle_ip(await self._decide_ip(windows, msg.ip))
+            return self._remote(self._decide_ip(windows, msg.ip), msg, None)
+        if isinstance(msg, Acquire):
+            local_slot = self._reserve_local_slot(msg)
+            requests, shared = self._requests.current(), self._shared.current()
+            if requests.immediate and shared.immediate:
+                outcome = await self._decide_key(requests, shared, msg, local_slot)
+                return self._settle_key(msg, outcome, local_slot)
+            return self._remote(self._decide_key(requests, shared, msg, local_slot), msg, local_slot)
+        raise TypeError(f"unexpected message {msg!r}")
+
+    async def on_internal(self, msg: Any) -> None:
+        if isinstance(msg, Release):
+            await self._release(msg)
+        elif isinstance(msg, _Decided):
+            await self._finish_remote(msg)
+        elif isinstance(msg, _Charged):
+            if isinstance(msg.error, StorageDown):
+                self._degrade_named(msg.error)
+                await self._charge(msg.msg)  # on memory now
+        elif isinstance(msg, _Recovered):
+            self._recover(msg.store)
+        elif isinstance(msg, _Unreleased):
+            self._unreleased.append((msg.slot, msg.member))
+        elif msg == "tick":
+            self._tick()
+
+    def _remote(
+        self, decide: Coroutine[Any, Any, Any], msg: CheckIp | Acquire, local_slot: bool | None
+    ) -> asyncio.Future[Decision]:
+        reply: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+
+        def done(result: Any, error: BaseException | None) -> _Decided:
+            outcome = result if isinstance(result, _Outcome) else None
+            if isinstance(result, Decision):
+                outcome = _Outcome(result, redis_slot=False)
+            return _Decided(msg, reply, outcome, error, local_slot)
+
+        self.spawn(decide, done)
+        return reply
+
+    async def _finish_remote(self, done: _Decided) -> None:
+        assert self._shared is not None and self._requests is not None
+        if done.error is None and done.outcome is not None:
+            if isinstance(done.msg, CheckIp):
+                decision = self._settle_ip(done.outcome.decision)
+            else:
+                decision = self._settle_key(done.msg, done.outcome, done.local_slot)
+            if not done.reply.done():
+                done.reply.set_result(decision)
+            return
+        if not isinstance(done.error, StorageDown):
+            if isinstance(done.msg, Acquire) and done.local_slot:
+                self._free_local(done.msg.api_key_id)
+            if not done.reply.done():
+                done.reply.set_exception(done.error or RuntimeError("no decision"))
+            return
+        # A remote storage failed: memory takes over at once, and this request is decided there.
+        self._degrade_named(done.error)
+        msg = done.msg
+        if isinstance(msg, CheckIp):
+            windows = self._shared.current()
+            if windows.immediate:
+                decision = self._settle_ip(await self._decide_ip(windows, msg.ip))
+                if not done.reply.done():
+                    done.reply.set_result(decision)
+                return
+            retry = self._remote(self._decide_ip(windows, msg.ip), msg, None)
+        else:
+            # A slot reserved in memory stays reserved; one that was to be leased in Redis
+            # is now taken in memory.
+            local_slot = done.local_slot if done.local_slot is not None else self._reserve_local_slot(msg)
+            requests, shared = self._requests.current(), self._shared.current()
+            if requests.immediate and shared.immediate:
+                outcome = await self._decide_key(requests, shared, msg, local_slot)
+                decision = self._settle_key(msg, outcome, local_slot)
+                if not done.reply.done():
+                    done.reply.set_result(decision)
+                return
+            retry = self._remote(self._decide_key(requests, shared, msg, local_slot), msg, local_slot)
+        retry.add_done_callback(lambda f: _copy_outcome(f, done.reply))
+
+    # -- per-IP ---------------------------------------------------------------------------
+    async def _decide_ip(self, windows: Windows, ip: str) -> Decision:
+        ids = ("ip", ip)
+        items = self._ip_items
+        oks = await _together(windows, *(windows.hit(item, *ids) for item in items))
+        if all(oks):
+            return _ALLOWED
+        rejected = [item for item, ok in zip(items, oks, strict=True) if not ok]
+        refunds = [windows.add(item, *ids, amount=-1) for item, ok in zip(items, oks, strict=True) if ok]
+        results = await _together(windows, *(windows.stats(item, *ids) for item in rejected), *refunds)
+        reset_at = max(stats.reset_time for stats in results[: len(rejected)])
+        return Decision(
+            allowed=False, scope="ip", retry_after=reset_at - time.time(),
+            message="too many requests from this address",
+        )
+
+    def _settle_ip(self, decision: Decision) -> Decision:
+        if not decision.allowed:
+            self._count("ip")
+        return decision
+
+    # -- per key --------------------------------------------------------------------------
+    def _item(self, amount: int, seconds: int) -> RateLimitItem:
+        item = self._items.get((amount, seconds))
+        if item is None:
+            if len(self._items) > 10_000:
+                self._items.clear()
+            item = self._items[(amount, seconds)] = RateLimitItemPerSecond(amount, seconds)
+        return item
+
+    def _reserve_local_slot(self, msg: Acquire) -> bool | None:
+        """Concurrency kept in memory: take a slot now (in the loop); None if not ours to keep."""
+        if msg.max_concurrent is None or self._redis_slots() is not None:
+            return None
+        count = self._inflight.get(msg.api_key_id, 0)
+        if count >= msg.max_concurrent:
+            return False
+        self._inflight[msg.api_key_id] = count + 1
+        return True
+
+    def _redis_slots(self) -> RedisWindowStorage | None:
+        assert self._shared is not None
+        storage = self._shared.current().storage
+        return storage if isinstance(storage, RedisWindowStorage) else None
+
+    def _free_local(self, api_key_id: str) -> None:
+        count = self._inflight.get(api_key_id, 0) - 1
+        if count > 0:
+            self._inflight[api_key_id] = count
+        else:
+            self._inflight.pop(api_key_id, None)
+
+    async def _decide_key(
+        self, requests: Windows, shared: Windows, msg: Acquire, local_slot: bool | None
+    ) -> _Outcome:
+        """One request of a key: every read and hit in one batch where the storage batches.
+
+        The window stats are read just before the hit (same pipeline), so remaining after
+        an allowed hit is ``remaining - 1`` without a second round trip.
+        """
+        rpm = self._item(msg.requests, msg.window_seconds)
+        rid = ("req", msg.api_key_id)
+        tpm = self._item(msg.tokens_per_minute, 60) if msg.tokens_per_minute else None
+        tid = ("tok", msg.api_key_id)
+        full = local_slot is False  # concurrency already refused: hit nothing
+        slots = shared.storage if msg.max_concurrent is not None and local_slot is None else None
+        if not isinstance(slots, RedisWindowStorage):
+            slots = None
+        request_ops: list[Coroutine[Any, Any, Any]] = [requests.stats(rpm, *rid)]
+        if not full:
+            request_ops.append(requests.hit(rpm, *rid))
+        shared_ops: list[Coroutine[Any, Any, Any]] = []
+        if tpm is not None:
+            shared_ops.append(shared.stats(tpm, *tid))
+        if slots is not None and not full:
+            shared_ops.append(slots.slot_acquire(f"conc/{msg.api_key_id}", msg.permit_id, msg.max_concurrent or 0, self._lease_ms))
+        if requests is shared:
+            results = await _together(requests, *request_ops, *shared_ops)
+            request_results, shared_results = results[: len(request_ops)], results[len(request_ops):]
+        else:
+            request_results = await _together(requests, *request_ops)
+            try:
+                shared_results = await _together(shared, *shared_ops)
+            except StorageDown:
+                if len(request_results) > 1 and request_results[1]:
+                    await _quietly(requests.add(rpm, *rid, amount=-1))
+                raise
+        rstats = request_results[0]
+        hit_ok = bool(request_results[1]) if not full else False
+        tstats = shared_results[0] if tpm is not None else None
+        slot_ok = bool(shared_results[-1]) if slots is not None and not full else None
+
+        now = time.time()
+        if full or slot_ok is False:
+            scope: str | None = "concurrency" if hit_ok or full else "requests"
+        elif not hit_ok:
+            scope = "requests"
+        elif tstats is not None and tstats.remaining < 1:
+            scope = "tokens"
+        else:
+            scope = None
+        if scope is not None:
+            # A rejected request consumes nothing: give back what was taken alongside.
+            if hit_ok:
+                await _quietly(requests.add(rpm, *rid, amount=-1))
+            if slot_ok and slots is not None:
+                await _quietly(slots.slot_release(f"conc/{msg.api_key_id}", msg.permit_id))
+        reset_requests = rstats.reset_time - now
+        headers = [
+            ("x-ratelimit-limit-requests", str(msg.requests)),
+            ("x-ratelimit-remaining-requests", str(max(0, rstats.remaining - (1 if scope is None else 0)))),
+            # An untouched window starts with this request and resets a whole window later.
+            ("x-ratelimit-reset-requests", reset_header(reset_requests if reset_requests > 0 else msg.window_seconds)),
+        ]
+        if tstats is not None:
+            headers += [
+                ("x-ratelimit-limit-tokens", str(msg.tokens_per_minute)),
+                ("x-ratelimit-remaining-tokens", str(max(0, tstats.remaining))),
+                ("x-ratelimit-reset-tokens", reset_header(tstats.reset_time - now)),
+            ]
+        if scope is None:
+            decision = Decision(allowed=True, headers=tuple(headers), holds_slot=bool(slot_ok or local_slot))
+        elif scope == "requests":
+            decision = Decision(
+                False, scope, rstats.reset_time - now,
+                f"rate limit reached for requests: {msg.requests} per {msg.window_seconds}s", tuple(headers),
+            )
+        elif scope == "tokens":
+            assert tstats is not None
+            decision = Decision(
+                False, scope, tstats.reset_time - now,
+                f"rate limit reached for tokens: {msg.tokens_per_minute} per minute", tuple(headers),
+            )
+        else:
+            decision = Decision(
+                False, scope, 1.0,
+                f"too many concurrent requests: at most {msg.max_concurrent} at a time", tuple(headers),
+            )
+        return _Outcome(decision, redis_slot=bool(slot_ok) and scope is None)
+
+    def _settle_key(self, msg: Acquire, outcome: _Outcome, local_slot: bool | None) -> Decision:
+        """Book a decision in the loop: hold its slot, or count its rejection."""
+        decision = outcome.decision
+        pid = msg.permit_id
+        if not decision.allowed:
+            if local_slot:
+                self._free_local(msg.api_key_id)
+            self._count(decision.scope or "requests")
+            self._abandoned.pop(pid, None)
+            return decision
+        if local_slot:
+            self._held[pid] = _Held(msg.api_key_id, "local")
+        elif outcome.redis_slot:
+            self._held[pid] = _Held(msg.api_key_id, "redis")
+        if self._abandoned.pop(pid, None) is not None:
+            # The asker is gone (timeout, disconnect): nobody will release this grant.
+            self._free_slot(pid)
+        return decision
+
+    # -- release and charge -----------------------------------------------------------
+    async def _release(self, msg: Release) -> None:
+        if msg.abandoned:
+            if msg.permit_id in self._held:
+                self._free_slot(msg.permit_id)
+            else:
+                self._abandoned[msg.permit_id] = time.monotonic()
+            return
+        self._free_slot(msg.permit_id)
+        if msg.tokens > 0 and msg.tokens_per_minute:
+            await self._charge(msg)
+
+    def _free_slot(self, permit_id: str) -> None:
+        held = self._held.pop(permit_id, None)
+        if held is None:
+            return
+        if held.where == "local":
+            self._free_local(held.api_key_id)
+            return
+        assert self._redis is not None
+        redis = self._redis
+        name = f"conc/{held.api_key_id}"
+
+        def done(_result: Any, error: BaseException | None) -> _Unreleased | None:
+            # Redis away: the lease would free it in time; release it as soon as Redis is back.
+            return _Unreleased(name, permit_id) if error is not None else None
+
+        if self._shared is not None and self._shared.down:
+            self._unreleased.append((name, permit_id))
+            return
+        self.spawn(redis.slot_release(name, permit_id), done)
+
+    async def _charge(self, msg: Release) -> None:
+        """Add the call's real usage to the key's token window (it may go past the limit)."""
+        assert self._shared is not None and msg.tokens_per_minute
+        windows = self._shared.current()
+        item = self._item(msg.tokens_per_minute, 60)
+        op = windows.add(item, "tok", msg.api_key_id, amount=msg.tokens)
+        if windows.immediate:
+            await op
+            return
+        self.spawn(_together(windows, op), lambda _r, error: _Charged(msg, error))
+
+    # -- degraded state -----------------------------------------------------------------
+    def _stores(self) -> list[_Store]:
+        return [s for s in (self._shared, self._requests) if s is not None]
+
+    def _degrade_named(self, down: StorageDown) -> None:
+        for store in self._stores():
+            if store.name == down.store:
+                self._degrade(store, down.error)
+
+    def _degrade(self, store: _Store | None, error: BaseException) -> None:
+        if store is None or store.down or store.fallback is None:
+            return
+        store.down = True
+        self._degraded[store.name] = (
+            f"{store.name} unreachable ({type(error).__name__}); limits are enforced by each replica in its own memory"
+        )
+        log.warning("rate-limit storage %s failed (%r): using local memory until it answers", store.name, error)
+        self.spawn(self._probe(store.primary), lambda _r, _e: _Recovered(store.name))
+
+    async def _probe(self, windows: Windows) -> None:
+        while True:
+            await asyncio.sleep(self._probe_seconds)
+            if not await windows.storage.check():
+                continue
+            if isinstance(windows.storage, RedisWindowStorage):
+                try:
+                    await windows.storage.load_scripts()
+                except Exception:  # noqa: BLE001 - answered PING, not yet the scripts: try again
+                    continue
+            return
+
+    def _recover(self, name: str) -> None:
+        for store in self._stores():
+            if store.name == name and store.down:
+                store.down = False
+                log.warning("rate-limit storage %s answers again: shared limits restored", name)
+        self._degraded.pop(name, None)
+        if name == "redis" and self._redis is not None and self._unreleased:
+            pending, self._unreleased = self._unreleased, []
+            for slot, member in pending:
+                self.spawn(self._redis.slot_release(slot, member))
+
+    def _count(self, scope: str) -> None:
+        self._rejections[scope] += 1
+        for listener in self.rejection_listeners:
+            try:
+                listener(scope)
+            except Exception:  # a metrics hook must never break a decision
+                log.exception("rejection listener failed")
+
+    # -- housekeeping -------------------------------------------------------------------
+    async def _tick_forever(self) -> None:
+        # Lease renewal must run well within a lease: three chances before one expires.
+        interval = max(0.05, self._lease_ms / 3000)
+        while True:
+            await asyncio.sleep(interval)
+            self.post_internal("tick")
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        for pid in [p for p, at in self._abandoned.items() if now - at > 60]:
+            del self._abandoned[pid]
+        redis = self._redis
+        shared = self._shared
+        if redis is not None and shared is not None and not shared.down:
+            held = [(f"conc/{h.api_key_id}", pid) for pid, h in self._held.items() if h.where == "redis"]
+            if held:
+                self.spawn(_renew(redis, held, self._lease_ms))
+        requests = self._requests
+        if requests is not None and requests.name == "postgres" and now - self._last_prune > 300:
+            self._last_prune = now
+            storage = requests.primary.storage
+            assert isinstance(storage, PostgresWindowStorage)
+            self.spawn(storage.prune())
+
+    # -- for tests and the benchmark ----------------------------------------------------
+    @property
+    def inflight(self) -> Mapping[str, int]:
+        """Concurrency slots held in memory, by key id."""
+        return MappingProxyType(self._inflight)
+
+    @property
+    def redis(self) -> RedisWindowStorage | None:
+        return self._redis
+
+
+async def _together(windows: Windows, *ops: Coroutine[Any, Any, Any]) -> list[Any]:
+    """``windows.together``, with a storage failure tagged by the storage's name."""
+    try:
+        return await windows.together(*ops)
+    except STORAGE_ERRORS as exc:
+        if windows.immediate:
+            raise
+        raise StorageDown(windows.name, exc) from exc
+
+
+async def _renew(redis: RedisWindowStorage, held: list[tuple[str, str]], lease_ms: int) -> None:
+    """Extend every lease this replica holds (one pipeline); a failure waits for the next tick."""
+    await asyncio.gather(*(redis.slot_renew(name, pid, lease_ms) for name, pid in held), return_exceptions=True)
+
+
+async def _quietly(op: Coroutine[Any, Any, Any]) -> None:
+    """A compensation (refund, release): its failure must not fail the answer."""
+    try:
+        await op
+    except Exception as exc:  # noqa: BLE001 - the window or lease expires on its own
+        log.debug("rate-limit compensation failed: %r", exc)
+
+
+def _copy_outcome(source: asyncio.Future[Decision], target: asyncio.Future[Decision]) -> None:
+    if target.done():
+        return
+    if source.cancelled():
+        target.cancel()
+    elif (exc := source.exception()) is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(source.result())
+
+
+def _ip_items(settings: RateLimitSettings) -> tuple[RateLimitItem, ...]:
+    """The flood guard's windows: the rate, and a burst allowance above it.
+
+    With a burst B over R per period P: at most R+B in any one period, and at most
+    10*R per 10*P, so bursts are absorbed while the average stays at R.
+    """
+    if settings.per_ip == "off":
+        return ()
+    rate = parse(settings.per_ip)
+    burst = rate.amount if settings.per_ip_burst is None else settings.per_ip_burst
+    if burst <= 0:
+        return (rate,)
+    period = rate.get_expiry()
+    return (
+        RateLimitItemPerSecond(rate.amount + burst, period),
+        RateLimitItemPerSecond(rate.amount * 10, period * 10),
+    )
+
+
+# -- handle ------------------------------------------------------------------------------
+class Permit:
+    """One admitted request's hold on its key's limits; :meth:`release` exactly once.
+
+    Release frees the concurrency slot and charges the call's real token usage (from
+    the tracked :class:`CallRecord`, read at release, so a stream's final usage counts).
+    """
+
+    __slots__ = ("_handle", "_msg", "_record", "_released", "_tokens", "headers", "holds_slot")
+
+    def __init__(self, handle: LimiterHandle, msg: Acquire, decision: Decision) -> None:
+        self._handle = handle
+        self._msg = msg
+        self._record: CallRecord | None = None
+        self._tokens = 0
+        self._released = False
+        self.headers: dict[str, str] = dict(decision.headers)
+        self.holds_slot = decision.holds_slot
+
+    def track(self, record: CallRecord) -> None:
+        """Charge ``record.usage`` at release (chat calls)."""
+        self._record = record
+
+    def charge(self, tokens: int) -> None:
+        """Charge ``tokens`` at release (calls without a CallRecord, e.g. embeddings)."""
+        self._tokens += max(0, tokens)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> None:
+        """Give back the slot and charge usage; later calls do nothing. Never waits."""
+        if self._released:
+            return
+        self._released = True
+        tokens = self._tokens + (self._record.usage.total_tokens if self._record is not None else 0)
+        charge = tokens > 0 and self._msg.tokens_per_minute is not None
+        if self.holds_slot or charge:
+            msg = self._msg
+            self._handle._post(Release(msg.permit_id, msg.api_key_id, msg.tokens_per_minute, tokens if charge else 0))
+
+
+class LimiterHandle:
+    """What the edge calls; raises :class:`RateLimited` (429) with ``Retry-After``."""
+
+    __slots__ = ("_actor", "_ids", "_ref", "_replica")
+
+    def __init__(self, actor: LimiterActor, ref: ActorRef[Any]) -> None:
+        self._actor = actor
+        self._ref = ref
+        # Permit ids name Redis leases shared by every replica: unique per process.
+        self._replica = uuid.uuid4().hex[:12]
+        self._ids = itertools.count(1)
+
+    async def check_ip(self, ip: str) -> None:
+        """The flood guard, before authentication and any database work."""
+        if not self._actor.guards_ip:
+            return
+        decision: Decision = await self._ref.ask(CheckIp(ip))
+        if not decision.allowed:
+            raise RateLimited(decision.message, retry_after=decision.retry_after)
+
+    async def acquire(self, key: VerifiedKey) -> Permit:
+        """Admit one request of ``key``; the Permit must be released when it ends."""
+        policy = key.policy
+        msg = Acquire(
+            permit_id=f"{self._replica}:{next(self._ids)}",
+            api_key_id=str(key.api_key_id),
+            requests=policy.rate_limit_requests,
+            window_seconds=policy.rate_limit_window_seconds,
+            tokens_per_minute=policy.tokens_per_minute,
+            max_concurrent=policy.max_concurrent,
+        )
+        try:
+            decision: Decision = await self._ref.ask(msg)
+        except BaseException:
+            # The ask gave up but the message may still be granted: have the grant undone.
+            self._post(Release(msg.permit_id, msg.api_key_id, None, 0, abandoned=True))
+            raise
+        if not decision.allowed:
+            raise RateLimited(decision.message, retry_after=decision.retry_after, headers=dict(decision.headers))
+        return Permit(self, msg, decision)
+
+    def _post(self, msg: Release) -> None:
+        # Releases take the internal lane: unbounded and served first, because a shed
+        # release would leak a concurrency slot for good.
+        self._actor.post_internal(msg)
+
+    @property
+    def degraded(self) -> Mapping[str, str]:
+        """Storages replaced by memory right now, with why; empty when all is well."""
+        return self._actor.degraded
+
+    @property
+    def rejections(self) -> Mapping[str, int]:
+        """Rejections so far by scope: ip, requests, tokens, concurrency."""
+        return self._actor.rejections
+
+    @property
+    def rejection_listeners(self) -> list[Callable[[str], None]]:
+        """Add ``f(scope)`` to be called on every rejection (e.g. a Prometheus counter)."""
+        return self._actor.rejection_listeners
+
+    @property
+    def description(self) -> str:
+        return self._actor.description
+
+    @property
+    def ref(self) -> ActorRef[Any]:
+        return self._ref

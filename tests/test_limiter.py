@@ -1,0 +1,373 @@
+"""The LimiterActor through its handle: exact counts at the boundary for each strategy and
+storage (memory, Redis, PostgreSQL), refunds, tokens, concurrency and the seed's table.
+
+Windows are an hour long so a test never straddles a window edge (the memory sliding
+window is aligned to the clock); Redis keys carry a prefix unique to the test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import asyncpg
+import pytest
+from limits import RateLimitItemPerSecond
+from limits.aio.strategies import SlidingWindowCounterRateLimiter
+
+from actors.auth import VerifiedKey
+from actors.limit_storage import LocalStorage, PostgresWindowStorage, RedisWindowStorage, Windows
+from actors.limiter import LimiterActor, LimiterHandle, Permit, reset_header
+from actors.runtime import Supervisor
+from gateway.config import RateLimitSettings
+from gateway.errors import RateLimited
+from gateway.keys import KeyPolicy
+
+HOUR = 3600
+
+STORAGE_STRATEGIES = [
+    ("memory", "sliding-window"),
+    ("memory", "fixed-window"),
+    ("redis", "sliding-window"),
+    ("redis", "fixed-window"),
+    ("postgres", "fixed-window"),
+]
+
+
+class Limiter:
+    """A started LimiterActor, its handle, and what tests peek at."""
+
+    def __init__(self, actor: LimiterActor, handle: LimiterHandle) -> None:
+        self.actor = actor
+        self.handle = handle
+
+    def windows(self, scope: str = "requests") -> Windows:
+        store = self.actor._requests if scope == "requests" else self.actor._shared
+        assert store is not None
+        return store.current()
+
+
+@pytest.fixture
+async def limiter_factory(
+    redis_url: str, db_pool: asyncpg.Pool
+) -> AsyncIterator[Callable[..., Any]]:
+    supervisors: list[Supervisor] = []
+    redis_prefixes: list[str] = []
+
+    async def start(
+        storage: str = "memory", strategy: str = "sliding-window", lease_seconds: float = 30.0, **settings: Any
+    ) -> Limiter:
+        prefix = f"test-{uuid.uuid4().hex[:12]}"
+        redis_prefixes.append(prefix)
+        url = {"memory": "memory://", "redis": redis_url, "postgres": "postgres"}.get(storage, storage)
+        options = {"per_ip": "off", **settings}
+        actor = LimiterActor(
+            RateLimitSettings(storage=url, strategy=strategy, key_prefix=prefix, **options), pool=db_pool,
+            lease_seconds=lease_seconds,
+        )
+        supervisor = Supervisor()
+        supervisors.append(supervisor)
+        ref = await supervisor.start(actor)
+        return Limiter(actor, LimiterHandle(actor, ref))
+
+    yield start
+    for supervisor in supervisors:
+        await supervisor.stop()
+    cleaner = RedisWindowStorage(redis_url, key_prefix="unused")
+    for prefix in redis_prefixes:
+        async for key in cleaner._client.scan_iter(match=f"{prefix}:*"):
+            await cleaner._client.delete(key)
+    await cleaner.close()
+
+
+@pytest.fixture
+async def verified_key(key_factory: Callable[..., Any]) -> Callable[..., Any]:
+    """``await verified_key(**policy)`` → a VerifiedKey of a real row (PostgreSQL needs the row)."""
+
+    async def make(**policy: Any) -> VerifiedKey:
+        _raw, record = await key_factory(**policy)
+        return VerifiedKey(
+            api_key_id=record.api_key_id, subject_id=record.subject_id, name=record.name,
+            key_prefix=record.key_prefix, key_hash=b"\0" * 32, policy=KeyPolicy(**policy), expires_at=None,
+        )
+
+    return make
+
+
+async def outcome(handle: LimiterHandle, key: VerifiedKey) -> Permit | RateLimited:
+    try:
+        return await handle.acquire(key)
+    except RateLimited as exc:
+        return exc
+
+
+def test_reset_header_is_written_like_openai() -> None:
+    assert reset_header(0) == "0ms"
+    assert reset_header(0.0201) == "21ms"
+    assert reset_header(1) == "1s"
+    assert reset_header(1.5) == "1.5s"
+    assert reset_header(60) == "1m0s"
+    assert reset_header(360) == "6m0s"
+    assert reset_header(3723.5) == "1h2m3.5s"
+    assert reset_header(-3) == "0ms"
+
+
+@pytest.mark.parametrize(("storage", "strategy"), STORAGE_STRATEGIES)
+async def test_requests_are_exact_at_the_boundary(
+    limiter_factory: Any, verified_key: Any, storage: str, strategy: str
+) -> None:
+    limiter = await limiter_factory(storage, strategy)
+    key = await verified_key(rate_limit_requests=5, rate_limit_window_seconds=HOUR)
+    remaining = []
+    for _ in range(5):
+        permit = await limiter.handle.acquire(key)
+        assert permit.headers["x-ratelimit-limit-requests"] == "5"
+        remaining.append(permit.headers["x-ratelimit-remaining-requests"])
+        permit.release()
+    assert remaining == ["4", "3", "2", "1", "0"]
+    for _ in range(3):
+        with pytest.raises(RateLimited) as caught:
+            await limiter.handle.acquire(key)
+        error = caught.value
+        assert error.status == 429 and error.error_code == "rate_limit_exceeded"
+        assert error.headers["x-ratelimit-remaining-requests"] == "0"
+        assert error.retry_after is not None and 0 < error.retry_after <= HOUR
+        response = error.to_response()
+        assert 1 <= int(response.headers["Retry-After"]) <= HOUR
+    # A rejected request consumes nothing: the window still holds exactly five.
+    assert await stored_count(limiter, key, 5, HOUR) == 5
+    assert limiter.actor.rejections["requests"] == 3
+
+
+async def stored_count(limiter: Limiter, key: VerifiedKey, limit: int, seconds: int) -> int:
+    """What the storage itself holds for the key's request window (no clamping)."""
+    windows = limiter.windows()
+    item = RateLimitItemPerSecond(limit, seconds)
+    storage_key = item.key_for("req", str(key.api_key_id))
+    storage: Any = windows.storage
+    if isinstance(windows.strategy, SlidingWindowCounterRateLimiter):
+        previous, _, current, _ = await storage.get_sliding_window(storage_key, seconds)
+        return int(previous + current)
+    return int(await storage.get(storage_key))
+
+
+@pytest.mark.parametrize(("storage", "strategy"), STORAGE_STRATEGIES)
+async def test_concurrent_requests_get_exactly_the_limit(
+    limiter_factory: Any, verified_key: Any, storage: str, strategy: str
+) -> None:
+    limiter = await limiter_factory(storage, strategy)
+    key = await verified_key(rate_limit_requests=10, rate_limit_window_seconds=HOUR)
+    pipelines_before = limiter.actor.redis.pipelines if limiter.actor.redis else 0
+    results = await asyncio.gather(*(outcome(limiter.handle, key) for _ in range(30)))
+    allowed = [r for r in results if isinstance(r, Permit)]
+    assert len(allowed) == 10
+    assert all(isinstance(r, RateLimited) for r in results if not isinstance(r, Permit))
+    assert await stored_count(limiter, key, 10, HOUR) == 10
+    if limiter.actor.redis is not None:
+        # 30 requests, each 2-3 commands, plus refunds of the rejected: a few pipelines, not ~90 trips.
+        assert limiter.actor.redis.pipelines - pipelines_before <= 6
+
+
+@pytest.mark.parametrize(("storage", "strategy"), STORAGE_STRATEGIES)
+async def test_a_negative_add_refunds(limiter_factory: Any, verified_key: Any, storage: str, strategy: str) -> None:
+    limiter = await limiter_factory(storage, strategy)
+    key = await verified_key(rate_limit_requests=3, rate_limit_window_seconds=HOUR)
+    for _ in range(3):
+        (await limiter.handle.acquire(key)).release()
+    windows = limiter.windows()
+    item = RateLimitItemPerSecond(3, HOUR)
+    await windows.add(item, "req", str(key.api_key_id), amount=-1)
+    assert await stored_count(limiter, key, 3, HOUR) == 2
+    permit = await limiter.handle.acquire(key)
+    assert permit.headers["x-ratelimit-remaining-requests"] == "0"
+    with pytest.raises(RateLimited):
+        await limiter.handle.acquire(key)
+
+
+@pytest.mark.parametrize("storage", ["memory", "redis"])
+@pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
+async def test_tokens_are_checked_before_and_charged_after(
+    limiter_factory: Any, verified_key: Any, storage: str, strategy: str
+) -> None:
+    if strategy == "sliding-window" and storage == "memory":
+        await away_from_minute_edge()
+    limiter = await limiter_factory(storage, strategy)
+    key = await verified_key(rate_limit_requests=100, rate_limit_window_seconds=HOUR, tokens_per_minute=100)
+    permit = await limiter.handle.acquire(key)
+    assert permit.headers["x-ratelimit-limit-tokens"] == "100"
+    assert permit.headers["x-ratelimit-remaining-tokens"] == "100"
+    assert permit.headers["x-ratelimit-reset-tokens"] == "0ms"
+    permit.charge(70)
+    permit.release()
+    permit.release()  # a second release changes nothing
+    permit = await eventually_acquire(limiter.handle, key, lambda p: p.headers["x-ratelimit-remaining-tokens"] == "30")
+    # Past the limit: real usage always counts, even when it overshoots what was left.
+    permit.charge(45)
+    permit.release()
+    await asyncio.sleep(0.05)
+    requests_before = await stored_count(limiter, key, 100, HOUR)
+    with pytest.raises(RateLimited) as caught:
+        await limiter.handle.acquire(key)
+    assert caught.value.headers["x-ratelimit-remaining-tokens"] == "0"
+    assert "tokens" in caught.value.message
+    assert 1 <= int(caught.value.to_response().headers["Retry-After"]) <= 60
+    # The request hit counted alongside was given back.
+    assert await stored_count(limiter, key, 100, HOUR) == requests_before
+    assert limiter.actor.rejections["tokens"] == 1
+
+
+async def away_from_minute_edge() -> None:
+    """The memory sliding window is aligned to the clock: keep a token test off its edge."""
+    into = time.time() % 60
+    if into > 55:
+        await asyncio.sleep(60 - into + 0.1)
+
+
+async def eventually_acquire(handle: LimiterHandle, key: VerifiedKey, ok: Callable[[Permit], bool]) -> Permit:
+    """Releases are tells: acquire until the effect of the last one shows (bounded)."""
+    last: Permit | RateLimited | None = None
+    for _ in range(50):
+        last = await outcome(handle, key)
+        if isinstance(last, Permit):
+            if ok(last):
+                return last
+            last.release()
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"condition never held; last answer {last!r}")
+
+
+@pytest.mark.parametrize("storage", ["memory", "redis"])
+async def test_concurrency_is_held_until_released_exactly_once(
+    limiter_factory: Any, verified_key: Any, storage: str
+) -> None:
+    limiter = await limiter_factory(storage)
+    key = await verified_key(rate_limit_requests=100, rate_limit_window_seconds=HOUR, max_concurrent=2)
+    first, second = await limiter.handle.acquire(key), await limiter.handle.acquire(key)
+    assert first.holds_slot and second.holds_slot
+    with pytest.raises(RateLimited) as caught:
+        await limiter.handle.acquire(key)
+    assert "concurrent" in caught.value.message
+    # The refused request consumed no request from the window.
+    assert caught.value.headers["x-ratelimit-remaining-requests"] == "98"
+    first.release()
+    first.release()
+    first.release()
+    third = await eventually_acquire(limiter.handle, key, lambda p: True)
+    with pytest.raises(RateLimited):
+        await limiter.handle.acquire(key)  # the triple release freed one slot, not three
+    second.release()
+    third.release()
+    await asyncio.sleep(0.05)
+    assert await slots_held(limiter, key) == 0
+    assert limiter.actor.rejections["concurrency"] == 2
+
+
+async def slots_held(limiter: Limiter, key: VerifiedKey) -> int:
+    if limiter.actor.redis is not None:
+        return await limiter.actor.redis.slots_held(f"conc/{key.api_key_id}")
+    return limiter.actor.inflight.get(str(key.api_key_id), 0)
+
+
+@pytest.mark.parametrize("storage", ["memory", "redis"])
+async def test_a_grant_whose_asker_gave_up_is_undone(limiter_factory: Any, verified_key: Any, storage: str) -> None:
+    limiter = await limiter_factory(storage)
+    key = await verified_key(rate_limit_requests=100, rate_limit_window_seconds=HOUR, max_concurrent=1)
+    for _ in range(5):
+        task = asyncio.ensure_future(limiter.handle.acquire(key))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    permit = await eventually_acquire(limiter.handle, key, lambda p: True)
+    permit.release()
+    await asyncio.sleep(0.05)
+    assert await slots_held(limiter, key) == 0
+
+
+async def test_redis_leases_outlive_no_request(limiter_factory: Any, verified_key: Any) -> None:
+    """A held slot is renewed while its request runs; a lost one expires with its lease."""
+    limiter = await limiter_factory("redis", lease_seconds=0.3)
+    key = await verified_key(rate_limit_requests=100, rate_limit_window_seconds=HOUR, max_concurrent=1)
+    permit = await limiter.handle.acquire(key)
+    await asyncio.sleep(0.8)  # longer than a lease: renewals keep it
+    with pytest.raises(RateLimited):
+        await limiter.handle.acquire(key)
+    # A lease whose holder vanished (no renewal, no release) frees itself.
+    assert limiter.actor.redis is not None
+    limiter.actor._held.clear()
+    await asyncio.sleep(0.5)
+    (await limiter.handle.acquire(key)).release()
+    permit.release()
+
+
+async def test_postgres_storage_writes_the_seed_table(
+    limiter_factory: Any, verified_key: Any, db_pool: asyncpg.Pool
+) -> None:
+    limiter = await limiter_factory("postgres")
+    assert "per-key requests in postgres" in limiter.actor.description
+    key = await verified_key(rate_limit_requests=3, rate_limit_window_seconds=HOUR)
+    for _ in range(3):
+        (await limiter.handle.acquire(key)).release()
+    for _ in range(4):
+        with pytest.raises(RateLimited):
+            await limiter.handle.acquire(key)
+    rows = await db_pool.fetch(
+        "SELECT window_start_at, window_seconds, request_count FROM api_key_rate_limit_windows WHERE api_key_id = $1",
+        key.api_key_id,
+    )
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["window_seconds"] == HOUR and row["request_count"] == 3  # the rejections wrote nothing
+    assert row["window_start_at"].timestamp() % HOUR == 0
+    assert row["window_start_at"].timestamp() <= time.time() < row["window_start_at"].timestamp() + HOUR
+
+
+async def test_postgres_guarded_upsert_under_concurrency(db_pool: asyncpg.Pool, verified_key: Any) -> None:
+    key = await verified_key(rate_limit_requests=7, rate_limit_window_seconds=60)
+    windows = Windows("postgres", PostgresWindowStorage(db_pool), "fixed-window")
+    item = RateLimitItemPerSecond(7, 60)
+    oks = await asyncio.gather(*(windows.hit(item, "req", str(key.api_key_id)) for _ in range(20)))
+    assert sum(oks) == 7
+    count = await db_pool.fetchval(
+        "SELECT request_count FROM api_key_rate_limit_windows WHERE api_key_id = $1", key.api_key_id
+    )
+    assert count == 7
+    stats = await windows.stats(item, "req", str(key.api_key_id))
+    assert stats.remaining == 0 and 0 < stats.reset_time - time.time() <= 60
+
+
+async def test_per_ip_guard_with_and_without_burst(limiter_factory: Any) -> None:
+    plain = await limiter_factory(per_ip="5/minute", per_ip_burst=0)
+    results = [await guard(plain.handle, "10.0.0.1") for _ in range(8)]
+    assert results.count(None) == 5
+    for refused in results[5:]:
+        assert isinstance(refused, RateLimited)
+        assert 1 <= int(refused.to_response().headers["Retry-After"]) <= 60
+    assert await guard(plain.handle, "10.0.0.2") is None  # another address has its own window
+    bursty = await limiter_factory(per_ip="5/minute", per_ip_burst=3)
+    results = [await guard(bursty.handle, "10.0.0.1") for _ in range(10)]
+    assert results.count(None) == 8
+    assert bursty.actor.rejections["ip"] == 2
+    off = await limiter_factory(per_ip="off")
+    assert not off.actor.guards_ip
+
+
+async def guard(handle: LimiterHandle, ip: str) -> RateLimited | None:
+    try:
+        await handle.check_ip(ip)
+    except RateLimited as exc:
+        return exc
+    return None
+
+
+async def test_memory_storage_sweeps_at_most_once_a_second() -> None:
+    storage = LocalStorage()
+    windows = Windows("memory", storage, "fixed-window")
+    item = RateLimitItemPerSecond(1000, 1)
+    for i in range(200):
+        await windows.hit(item, "ip", str(i))
+    assert storage._next_sweep > time.monotonic()
+    assert len(storage.storage) == 200
