@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,8 @@ async def cluster(process_factory: Any, fake_factory: Any, redis_url: str, tmp_p
     if nginx_available() is None:
         pytest.skip("nginx is not installed")
     fake: FakeUpstream = await fake_factory()
-    config = config_for(fake.url)
+    # Own Redis key prefix: parallel test runs share the Redis server.
+    config = config_for(fake.url, rate_limits={"key_prefix": f"replicas-{uuid.uuid4().hex[:8]}"})
     replicas = [await process_factory(env={"REDIS_URL": redis_url}, config_yaml=config) for _ in range(2)]
     nginx = Nginx(tmp_path / "nginx", free_port(), [r.port for r in replicas])
     nginx.start()
@@ -50,6 +52,23 @@ async def test_a_key_works_through_the_balancer_on_both_replicas(cluster: Cluste
             async with session.post(f"{replica.url}/v1/chat/completions", json=chat_body(stream=True), headers=auth(api_key)) as r:
                 assert r.status == 200
                 assert (await r.read()).endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_key_limit_is_counted_once_across_replicas(cluster: Cluster, key_factory: Any) -> None:
+    raw, _ = await key_factory(rate_limit_requests=10, rate_limit_window_seconds=60)
+    statuses = []
+    # Fresh connections, so nginx spreads the requests over both replicas.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        for _ in range(20):
+            async with session.post(f"{cluster.url}/v1/chat/completions", json=chat_body(), headers=auth(raw)) as r:
+                statuses.append(r.status)
+    assert statuses.count(200) == 10 and statuses.count(429) == 10, statuses
+    assert (await cluster.fake.stats())["requests"] == 10
+    # Both replicas took part (each one's own metrics count its share of the requests).
+    async with aiohttp.ClientSession() as session:
+        for replica in cluster.replicas:
+            async with session.get(f"{replica.management_url}/metrics") as r:
+                assert 'route="/v1/chat/completions"' in await r.text()
 
 
 async def test_revocation_holds_on_every_replica_within_a_second(cluster: Cluster, key_factory: Any, db_pool: Any) -> None:
