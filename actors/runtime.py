@@ -90,11 +90,13 @@ class _Envelope:
     trace: otel_context.Context = field(default_factory=otel_context.get_current)
 
 
-def _chain(reply: asyncio.Future[Any], source: asyncio.Future[Any]) -> None:
+def _chain(reply: asyncio.Future[Any], actor: str, source: asyncio.Future[Any]) -> None:
     if reply.done():
         return
     if source.cancelled():
-        reply.cancel()
+        # The actor dropped the work; cancelling the asker's future instead would look,
+        # to the asker, as if its own task had been cancelled.
+        reply.set_exception(ActorStopped(actor))
     elif (exc := source.exception()) is not None:
         reply.set_exception(exc)
     else:
@@ -296,6 +298,8 @@ class _Cell:
         self.task: asyncio.Task[None] | None = None
         self._max_backoff = max_backoff
         self._restart_handle: asyncio.TimerHandle | None = None
+        #: Replies deferred by ``receive`` and not yet resolved; failed at stop, never left hanging.
+        self._deferred: set[asyncio.Future[Any]] = set()
 
     async def start(self) -> None:
         actor = self.actor
@@ -332,6 +336,11 @@ class _Cell:
                 return
             try:
                 result = await actor.receive(env.msg)
+            except asyncio.CancelledError:
+                # Aborted by a stop past its bound: the asker learns now, not at its deadline.
+                if env.reply is not None and not env.reply.done():
+                    env.reply.set_exception(ActorStopped(actor.name))
+                raise
             except Exception as exc:
                 if env.reply is None:
                     log.exception("%s: tell %s failed", actor.name, type(env.msg).__name__)
@@ -342,7 +351,9 @@ class _Cell:
                 return
             if isinstance(result, asyncio.Future):
                 # A deferred reply: the actor answers later without blocking its loop.
-                result.add_done_callback(partial(_chain, env.reply))
+                self._deferred.add(env.reply)
+                env.reply.add_done_callback(self._deferred.discard)
+                result.add_done_callback(partial(_chain, env.reply, actor.name))
             else:
                 env.reply.set_result(result)
         finally:
@@ -384,12 +395,7 @@ class _Cell:
         actor._mailbox._wake()
         try:
             async with asyncio.timeout(timeout):
-                if self.task is not None and not self.task.done():
-                    await asyncio.shield(self.task)
-                elif self.task is not None and self.task.exception() is not None:
-                    # Crashed while stopping: drain by hand so queued work is not lost.
-                    while (env := actor._mailbox.pop()) is not None:
-                        await self._handle(env)
+                await self._drain()
                 await actor.on_stop()
         except TimeoutError:
             log.error("actor %s did not stop within %.1fs; aborting", actor.name, timeout)
@@ -402,8 +408,33 @@ class _Cell:
             for env in actor._mailbox.drain_external():
                 if env.reply is not None and not env.reply.done():
                     env.reply.set_exception(ActorStopped(actor.name))
+            for reply in list(self._deferred):
+                if not reply.done():
+                    reply.set_exception(ActorStopped(actor.name))
             for t in list(actor._tasks):
                 t.cancel()
+
+
+    async def _drain(self) -> None:
+        """Let the loop serve what is queued; if it crashed (before or during the stop),
+        serve the rest here, so queued work is not lost and ``on_stop`` still runs."""
+        actor = self.actor
+        task = self.task
+        if task is None:
+            return
+        if not task.done():
+            try:
+                await asyncio.shield(task)
+            except Exception:  # noqa: BLE001 - examined just below
+                pass
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("actor %s: loop crashed while stopping (%r); draining by hand", actor.name, task.exception())
+        while (env := actor._mailbox.pop()) is not None:
+            try:
+                await self._handle(env)
+            except Exception:
+                log.exception("actor %s: message failed while stopping", actor.name)
 
 
 class Supervisor:
