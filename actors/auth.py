@@ -118,12 +118,15 @@ class _Looked:
     #: The usable key, or why there is none (``unknown``/``revoked``); None on error.
     found: VerifiedKey | str | None
     error: BaseException | None
+    #: Evictions counted when the query was sent (a later one makes ``found`` stale).
+    since: int
 
 
 @dataclass(frozen=True, slots=True)
 class _Revalidated:
     rows: dict[str, VerifiedKey] | None
     asked: frozenset[str]
+    since: int
 
 
 def _verified(row: asyncpg.Record, hash_: bytes) -> VerifiedKey | None:
@@ -157,6 +160,12 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
         self._negative: dict[str, tuple[float, str]] = {}
         self._pending: dict[str, list[tuple[str, asyncio.Future[VerifiedKey]]]] = {}
         self._touched: set[uuid.UUID] = set()
+        # A query may read a key just before it changes and answer after the change was
+        # notified; caching that answer would undo the eviction. So evictions are counted,
+        # and while queries are in flight each evicted prefix remembers its count.
+        self._evictions = 0
+        self._evicted: dict[str, int] = {}
+        self._queries_in_flight = 0
         self._listener: asyncpg.Connection | None = None
         self._listen_task: asyncio.Task[None] | None = None
         self._flush_task: asyncio.Task[None] | None = None
@@ -222,7 +231,8 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
             waiters.append((token, fut))
             return fut
         self._pending[prefix] = [(token, fut)]
-        self.spawn(self._fetch(prefix), lambda found, err: _Looked(prefix, found, err))
+        since = self._query_started()
+        self.spawn(self._fetch(prefix), lambda found, err: _Looked(prefix, found, err, since))
         return fut
 
     async def _fetch(self, prefix: str) -> VerifiedKey | str:
@@ -237,6 +247,8 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
     def _finish_lookup(self, looked: _Looked) -> None:
         waiters = self._pending.pop(looked.prefix, [])
         now = time.time()
+        stale = self._stale(looked.prefix, looked.since)
+        self._query_finished()
         if looked.error is not None or looked.found is None:
             # Database unreachable: an unknown key fails closed, and is not cached.
             log.warning("key lookup failed: %r", looked.error)
@@ -245,7 +257,9 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
                     fut.set_exception(Unauthenticated("unavailable"))
             return
         row = looked.found if isinstance(looked.found, VerifiedKey) else None
-        if row is None:
+        if stale:
+            pass  # the key changed while we asked: answer these waiters, remember nothing
+        elif row is None:
             self._negative[looked.prefix] = (time.monotonic() + NEGATIVE_TTL, str(looked.found))
             if len(self._negative) > 100_000:
                 self._prune_negative()
@@ -268,6 +282,22 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
     def _evict(self, prefix: str) -> None:
         self._cache.pop(prefix, None)
         self._negative.pop(prefix, None)
+        self._evictions += 1
+        if self._queries_in_flight:
+            self._evicted[prefix] = self._evictions
+
+    def _query_started(self) -> int:
+        self._queries_in_flight += 1
+        return self._evictions
+
+    def _stale(self, prefix: str, since: int) -> bool:
+        """Was ``prefix`` evicted after a query sent at eviction count ``since``?"""
+        return self._evicted.get(prefix, 0) > since
+
+    def _query_finished(self) -> None:
+        self._queries_in_flight -= 1
+        if not self._queries_in_flight:
+            self._evicted.clear()
 
     # -- revalidation after a lost LISTEN connection ---------------------------------
     def _revalidate(self) -> None:
@@ -275,7 +305,8 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
         self._negative.clear()
         if not prefixes:
             return
-        self.spawn(self._fetch_many(prefixes), lambda rows, err: _Revalidated(rows, prefixes))
+        since = self._query_started()
+        self.spawn(self._fetch_many(prefixes), lambda rows, err: _Revalidated(rows, prefixes, since))
 
     async def _fetch_many(self, prefixes: frozenset[str]) -> dict[str, VerifiedKey]:
         rows = await self._pool.fetch(
@@ -289,10 +320,14 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
         return found
 
     def _finish_revalidation(self, result: _Revalidated) -> None:
+        stale = {p for p in result.asked if self._stale(p, result.since)}
+        self._query_finished()
         if result.rows is None:
             return  # database still away: keep serving what we know
         for prefix in result.asked:
             fresh = result.rows.get(prefix)
+            if prefix in stale:
+                continue  # evicted after the query was sent; the next use looks it up afresh
             if fresh is None:
                 self._cache.pop(prefix, None)
             else:
