@@ -5,6 +5,8 @@
     dsn = ...port=proxy.port...
     await proxy.cut()      # drop every connection and refuse new ones
     await proxy.restore()  # accept again
+    proxy.pause()          # hold the server's replies in the proxy (a slow server)
+    proxy.resume()         # deliver them
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ class TcpProxy:
         self._pipes: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
         self.connections = 0
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        #: Bytes from the server held back by pause() so far.
+        self.held_bytes = 0
 
     @classmethod
     async def start(cls, target_host: str, target_port: int, port: int = 0) -> TcpProxy:
@@ -45,7 +51,7 @@ class TcpProxy:
         self._writers.update((writer, up_writer))
         tasks = [
             asyncio.ensure_future(self._pipe(reader, up_writer)),
-            asyncio.ensure_future(self._pipe(up_reader, writer)),
+            asyncio.ensure_future(self._pipe(up_reader, writer, self)),
         ]
         self._pipes.update(tasks)
         try:
@@ -59,9 +65,14 @@ class TcpProxy:
                 w.close()
 
     @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, holder: TcpProxy | None = None
+    ) -> None:
         with contextlib.suppress(ConnectionError, asyncio.CancelledError):
             while data := await reader.read(65536):
+                if holder is not None and not holder._flowing.is_set():
+                    holder.held_bytes += len(data)
+                    await holder._flowing.wait()
                 writer.write(data)
                 await writer.drain()
 
@@ -81,6 +92,14 @@ class TcpProxy:
         """Listen again on the same port."""
         if self._server is None:
             await self._listen(self.port)
+
+    def pause(self) -> None:
+        """Hold every reply from the server inside the proxy (requests still go through)."""
+        self._flowing.clear()
+
+    def resume(self) -> None:
+        """Deliver the held replies and stop holding."""
+        self._flowing.set()
 
     async def close(self) -> None:
         await self.cut()

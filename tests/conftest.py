@@ -240,7 +240,9 @@ async def gateway_factory(
             environ["GATEWAY_CONFIG"] = str(path)
         settings = load_settings(environ)
         config: GatewayConfig = load_config(settings, environ)
-        state = await stack.enter_async_context(gateway_state(settings, config, database_url))
+        # env may point DATABASE_URL elsewhere (e.g. through a cuttable proxy).
+        dsn = settings.database_url or database_url
+        state = await stack.enter_async_context(gateway_state(settings, config, dsn))
         data_server = TestServer(build_data_app(state), host="127.0.0.1")
         # TestServer sets handler_cancellation itself; pass the rest of the real options.
         await data_server.start_server(
