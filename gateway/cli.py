@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 from decimal import Decimal, InvalidOperation
+from typing import NoReturn
 from urllib.parse import urlsplit
 
 import asyncpg
@@ -32,18 +33,41 @@ EXIT_USAGE = 2
 EXIT_FAILURE = 1
 
 
+#: Limits are PostgreSQL integers; larger ones would fail in the database with a cryptic message.
+_MAX_LIMIT = 2**31 - 1
+#: Longest expiry accepted (a hundred years); far larger ones overflow the date type.
+_MAX_DAYS = 36_500
+#: ``budget_usd`` is numeric(14, 6): amounts must stay below 10^8.
+_MAX_BUDGET = Decimal(10) ** 8
+
+
 class CommandError(Exception):
     """An expected failure: its message is the one line the user sees."""
 
 
-def _positive_int(text: str) -> int:
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line, not a usage block plus the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _bounded_int(text: str, maximum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    if not 0 < value <= maximum:
+        raise argparse.ArgumentTypeError(f"expected a positive number up to {maximum}, got {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _bounded_int(text, _MAX_LIMIT)
+
+
+def _days(text: str) -> int:
+    return _bounded_int(text, _MAX_DAYS)
 
 
 def _budget(text: str) -> Decimal:
@@ -51,8 +75,8 @@ def _budget(text: str) -> Decimal:
         value = Decimal(text)
     except InvalidOperation:
         raise argparse.ArgumentTypeError(f"expected an amount in USD, got {text!r}") from None
-    if not value.is_finite() or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative amount, got {text!r}")
+    if not value.is_finite() or value < 0 or value >= _MAX_BUDGET:
+        raise argparse.ArgumentTypeError(f"expected a non-negative amount below {_MAX_BUDGET}, got {text!r}")
     return value
 
 
@@ -71,7 +95,7 @@ def _models(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llm-gateway", description="An OpenAI-compatible LLM gateway.")
+    parser = _Parser(prog="llm-gateway", description="An OpenAI-compatible LLM gateway.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve_cmd = commands.add_parser("serve", help="apply migrations, then serve both planes")
@@ -98,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--budget-usd", type=_budget, help="spend cap in USD per period")
     create.add_argument("--budget-period", choices=["day", "month", "total"], help="budget period (default month)")
     create.add_argument("--models", type=_models, help="comma-separated allowlist of model names (wildcards ok)")
-    create.add_argument("--expires-in-days", type=_positive_int)
+    create.add_argument("--expires-in-days", type=_days)
     create.add_argument("--json", action="store_true")
     listing = key_commands.add_parser("list", help="list keys (never a hash or raw key)")
     listing.add_argument("--json", action="store_true")
@@ -244,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"llm-gateway: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except asyncpg.PostgresError as exc:
-        print(f"llm-gateway: database error: {exc}", file=sys.stderr)
+        # str() of a server error may add DETAIL/HINT lines: the first line says it.
+        print(f"llm-gateway: database error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return EXIT_FAILURE
     except OSError as exc:
         print(f"llm-gateway: {exc}", file=sys.stderr)
