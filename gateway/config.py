@@ -7,6 +7,7 @@ Both are parsed once at start-up into frozen dataclasses. Every problem raises
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -101,7 +102,8 @@ def _number(environ: Mapping[str, str], name: str, default: float, *, integer: b
     except ValueError:
         kind = "a whole number" if integer else "a number"
         raise ConfigError(f"{name}: expected {kind} >= {minimum:g}, got {raw!r}") from None
-    if value < minimum:
+    # float() takes "nan" and "inf": a NaN timeout would compare false everywhere.
+    if not math.isfinite(value) or value < minimum:
         raise ConfigError(f"{name}: expected a value >= {minimum:g}, got {raw!r}")
     return value
 
@@ -350,7 +352,7 @@ class _Section:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float) or (integer and not isinstance(value, int)):
             raise ConfigError(f"{self.path}.{key}: expected a {'whole ' if integer else ''}number")
-        if value < minimum:
+        if not math.isfinite(value) or value < minimum:  # YAML reads .nan and .inf as floats
             raise ConfigError(f"{self.path}.{key}: expected a value >= {minimum:g}")
         return value
 
