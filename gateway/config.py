@@ -516,7 +516,7 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
     models = tuple(_model_group(m, f"models[{i}]", providers) for i, m in enumerate(models_raw))
     names = [m.name for m in models]
     for i, m in enumerate(models):
-        if names.count(m.name) > 1:
+        if m.name in names[:i]:  # name the second definition: the first one was fine
             raise ConfigError(f"models[{i}].name: {m.name!r} is defined twice")
         for f in m.fallbacks:
             # A fallback is a model name as a client would send it: exact, or under a wildcard.
