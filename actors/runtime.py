@@ -298,6 +298,8 @@ class _Cell:
         self.task: asyncio.Task[None] | None = None
         self._max_backoff = max_backoff
         self._restart_handle: asyncio.TimerHandle | None = None
+        #: Held so the event loop (which keeps only weak references to tasks) cannot drop it.
+        self._restart_task: asyncio.Task[None] | None = None
         #: Replies deferred by ``receive`` and not yet resolved; failed at stop, never left hanging.
         self._deferred: set[asyncio.Future[Any]] = set()
 
@@ -370,9 +372,10 @@ class _Cell:
         delay = min(self._max_backoff, 0.01 * 2 ** min(actor.restarts, 10))
         log.error("actor %s crashed (%r); restart %d in %.2fs", actor.name, exc, actor.restarts, delay)
         loop = asyncio.get_running_loop()
-        self._restart_handle = loop.call_later(
-            delay, lambda: loop.create_task(self._restart(exc))
-        )
+        self._restart_handle = loop.call_later(delay, self._begin_restart, exc)
+
+    def _begin_restart(self, exc: BaseException) -> None:
+        self._restart_task = asyncio.get_running_loop().create_task(self._restart(exc))
 
     async def _restart(self, exc: BaseException) -> None:
         actor = self.actor
@@ -382,7 +385,8 @@ class _Cell:
             await actor.on_restart(exc)
         except Exception:
             log.exception("actor %s: on_restart failed", actor.name)
-        self._run_loop()
+        if actor._state is not _State.STOPPED:
+            self._run_loop()  # if a stop began meanwhile, this loop drains and ends
 
     async def stop(self, timeout: float) -> None:
         actor = self.actor
@@ -419,6 +423,9 @@ class _Cell:
         """Let the loop serve what is queued; if it crashed (before or during the stop),
         serve the rest here, so queued work is not lost and ``on_stop`` still runs."""
         actor = self.actor
+        if self._restart_task is not None and not self._restart_task.done():
+            # A restart under way (in on_restart) finishes first; its fresh loop then drains.
+            await asyncio.shield(self._restart_task)
         task = self.task
         if task is None:
             return

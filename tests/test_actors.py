@@ -154,6 +154,7 @@ class Probe(Actor[Any]):
     async def on_restart(self, exc: BaseException) -> None:
         self.restart_errors.append(exc)
         await self.restart_gate.wait()
+        self.journal.append(f"{self.name} restarted")
 
     async def on_stop(self) -> None:
         if self.tell_other_on_stop is not None and self.other is not None:
@@ -443,6 +444,22 @@ async def test_a_crashed_actor_with_a_pending_restart_still_drains_on_stop() -> 
     assert await asked == "asked behind the crash"
     assert probe.journal[-3:] == ["probe echo queued behind the crash", "probe echo asked behind the crash", "stop probe"]
     assert probe.restart_errors == []  # the pending restart was called off
+
+
+async def test_a_stop_during_a_restart_waits_for_it_then_drains() -> None:
+    supervisor = Supervisor()
+    probe = Probe()
+    ref = await supervisor.start(probe)
+    probe.restart_gate.clear()
+    ref.tell(CrashLoop())
+    await until(lambda: probe.restart_errors)  # inside on_restart now
+    ref.tell(Echo("queued during the restart"))
+    stopping = asyncio.ensure_future(supervisor.stop())
+    await asyncio.sleep(0.05)
+    assert not stopping.done()  # hooks never overlap: on_stop waits for on_restart
+    probe.restart_gate.set()
+    await asyncio.wait_for(stopping, 3)
+    assert probe.journal[-3:] == ["probe restarted", "probe echo queued during the restart", "stop probe"]
 
 
 async def test_a_crash_while_draining_still_runs_on_stop() -> None:
