@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -228,6 +229,7 @@ async def test_keys_rotate_keeps_subject_and_limits_and_revokes_the_old_key(
         (("keys", "create", "--name", "x", "--subject", "not-a-uuid"), "--subject"),
         (("keys", "create", "--name", "x", "--expires-in-days", "99999999"), "--expires-in-days"),
         (("keys", "create", "--rpm", "5"), "--name"),
+        (("keys", "create", "--name", "  "), "name must not be empty"),
         (("keys", "revoke", str(uuid.UUID(int=1))), "no key with id or prefix"),
         (("keys", "rotate", "llmg_nothing"), "no key with id or prefix"),
         (("keys", "remove", "x"), "invalid choice"),
@@ -310,6 +312,15 @@ async def test_serve_refuses_a_bad_config_file_with_the_path_of_the_entry(run_cl
     )
     run = await run_cli("serve", env={"GATEWAY_CONFIG": str(config)}, timeout=30)
     assert "models[0].deployments[1].provider: unknown provider 'x'" in run.one_line_error()
+
+
+async def test_serve_on_a_busy_port_is_one_line(run_cli: Any) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = await run_cli("serve", env={"BIND_ADDR": f"127.0.0.1:{port}", "MANAGEMENT_BIND_ADDR": "127.0.0.1:0"})
+    assert "address already in use" in run.one_line_error()
 
 
 async def test_serve_with_a_database_url_never_seeds_the_development_key(
