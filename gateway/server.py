@@ -51,6 +51,7 @@ async def serve(
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals_seen = 0
+    runners: list[web.AppRunner] = []
 
     def on_signal(signum: int) -> None:
         nonlocal signals_seen
@@ -59,10 +60,13 @@ async def serve(
             log.info("received %s: draining", signal.Signals(signum).name)
             stop.set()
         else:
-            log.warning("second signal: forcing exit")
-            for task in asyncio.all_tasks(loop):
-                if task is not asyncio.current_task():
-                    task.cancel()
+            # Skip the wait, not the shutdown: dropping the connections cancels their
+            # handlers (handler_cancellation), and the actors still stop in order.
+            log.warning("second signal: closing in-flight requests")
+            for runner in runners:
+                if runner.server is not None:
+                    for connection in runner.server.connections:
+                        connection.force_close()
 
     for sig in HANDLED_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
@@ -85,6 +89,7 @@ async def serve(
         )
         await data_runner.setup()
         await mgmt_runner.setup()
+        runners += (data_runner, mgmt_runner)
         try:
             await web.TCPSite(
                 data_runner, settings.bind_host, settings.bind_port, backlog=1024,

@@ -93,3 +93,30 @@ async def test_sigterm_does_not_wait_past_the_grace_period(
         return bool((await fake.stats())["requests_cancelled"] == 1)
 
     await _until(upstream_call_cancelled, 5)  # the upstream call did not outlive the gateway
+
+
+async def test_a_second_sigterm_skips_the_wait_but_not_the_orderly_exit(
+    process_factory: Any, fake_factory: Any, api_key: str
+) -> None:
+    fake = await fake_factory()
+    gp = await process_factory(config_yaml=config_for(fake.url), env={"SHUTDOWN_GRACE_SECONDS": "60"})
+    await fake.script({"hang": True})
+    async with aiohttp.ClientSession() as session:
+        in_flight = asyncio.ensure_future(
+            session.post(f"{gp.url}/v1/chat/completions", json=chat_body(), headers=auth(api_key))
+        )
+
+        async def upstream_has_it() -> bool:
+            return bool((await fake.stats())["requests"] == 1)
+
+        await _until(upstream_has_it, 10)
+        gp.signal(signal.SIGTERM)
+        await _until(lambda: _refused(gp.url), 5)
+        gp.signal(signal.SIGTERM)
+        assert await asyncio.to_thread(gp.wait, 15) == 0  # well before the 60 s grace
+        try:
+            await asyncio.wait_for(in_flight, 5)
+        except aiohttp.ClientError:
+            pass  # the connection was dropped
+    log = gp.log()
+    assert "second signal" in log and "Traceback" not in log
