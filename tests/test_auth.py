@@ -104,8 +104,10 @@ def store(db_pool: asyncpg.Pool) -> KeyStore:
 
 # ----------------------------------------------------------------------------- cache
 async def test_a_cached_key_costs_no_query(auth_factory: Any, store: KeyStore) -> None:
-    a = await auth_factory()
+    # Keys are created before the actor listens: a creation's own notification, arriving
+    # after the first lookup, would evict the key and make the count race.
     raw, record = await store.create("cached", policy=KeyPolicy(rate_limit_requests=7))
+    a = await auth_factory()
     key = await a.handle.authenticate(raw)
     assert key.api_key_id == record.api_key_id and key.policy.rate_limit_requests == 7
     for _ in range(50):
@@ -115,8 +117,8 @@ async def test_a_cached_key_costs_no_query(auth_factory: Any, store: KeyStore) -
 
 
 async def test_concurrent_misses_for_one_prefix_make_one_query(auth_factory: Any, store: KeyStore) -> None:
-    a = await auth_factory()
     raw, record = await store.create("concurrent")
+    a = await auth_factory()
     forged = raw[:12] + generate_key()[12:]  # same lookup prefix, wrong secret
     results = await asyncio.gather(
         *(a.handle.authenticate(raw) for _ in range(20)),
@@ -192,12 +194,13 @@ async def test_revoked_and_deactivated_keys_fail(auth_factory: Any, store: KeySt
 
 
 async def test_expiry_is_enforced_by_the_cache_itself(auth_factory: Any, store: KeyStore) -> None:
-    a = await auth_factory()
     expired, _ = await store.create("expired", expires_in=timedelta(seconds=-1))
+    raw, record = await store.create("short-lived", expires_in=timedelta(seconds=1.5))
+    a = await auth_factory()
     assert not await accepted(a.handle, expired)
-    raw, _ = await store.create("short-lived", expires_in=timedelta(seconds=0.5))
     assert await accepted(a.handle, raw)
-    await asyncio.sleep(0.6)
+    assert record.expires_at is not None
+    await asyncio.sleep(max(0.0, record.expires_at.timestamp() - time.time()) + 0.05)
     assert not await accepted(a.handle, raw)  # no notification needed: the cache checks expiry
     await a.settle()
     assert a.queries.count(LOOKUP) == 2  # one per key; the expiry check made none
@@ -229,8 +232,8 @@ async def test_last_used_at_is_flushed_periodically_and_keeps_the_cache(
     auth_factory: Any, store: KeyStore, db_pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(actors.auth, "TOUCH_FLUSH_SECONDS", 0.05)
-    a = await auth_factory()
     raw, record = await store.create("periodic")
+    a = await auth_factory()
     await a.handle.authenticate(raw)
     deadline = time.monotonic() + 5
     while await db_pool.fetchval("SELECT last_used_at FROM api_keys WHERE api_key_id = $1", record.api_key_id) is None:
@@ -248,9 +251,9 @@ async def test_lost_notifications_are_made_up_by_revalidation_on_reconnect(
     pg_proxy: Any, auth_factory: Any, store: KeyStore, database_url: str
 ) -> None:
     # Queries go direct; only the LISTEN connection runs through the proxy.
-    a = await auth_factory(listen_dsn=via_proxy(database_url, pg_proxy.port))
     revoked, revoked_record = await store.create("revoked while deaf")
     kept, _ = await store.create("kept")
+    a = await auth_factory(listen_dsn=via_proxy(database_url, pg_proxy.port))
     assert await accepted(a.handle, revoked) and await accepted(a.handle, kept)
     await pg_proxy.cut()
     await until(lambda: not a.handle.listening)
@@ -267,11 +270,12 @@ async def test_lost_notifications_are_made_up_by_revalidation_on_reconnect(
 async def test_through_a_database_outage_cached_keys_work_and_unknown_keys_fail_closed(
     pg_proxy: Any, gateway_factory: Any, fake: FakeUpstream, database_url: str, store: KeyStore
 ) -> None:
+    # Created before the gateway listens, so no late creation notice evicts a cached key.
+    cached, _ = await store.create("cached before the outage")
+    later, _ = await store.create("first used during the outage")
     gw = await gateway_factory(
         env={"DATABASE_URL": via_proxy(database_url, pg_proxy.port)}, config_yaml=config_for(fake.url)
     )
-    cached, _ = await store.create("cached before the outage")
-    later, _ = await store.create("first used during the outage")
 
     async def status(key: str) -> int:
         resp = await gw.data.post("/v1/chat/completions", json=chat_body(), headers=auth(key))
@@ -352,10 +356,10 @@ async def test_a_revocation_during_a_lookup_is_not_undone_by_the_lookup(
 ) -> None:
     monkeypatch.setattr(actors.auth, "TOUCH_FLUSH_SECONDS", 3600.0)  # only lookups use the pool
     # Lookups go through the proxy (so their answers can be held back); LISTEN goes direct.
-    a = await auth_factory(via_proxy(database_url, pg_proxy.port), listen_dsn=database_url)
     warm, _ = await store.create("warms the prepared lookup statement")
-    assert await accepted(a.handle, warm)
     raw, record = await store.create("revoked mid-lookup")
+    a = await auth_factory(via_proxy(database_url, pg_proxy.port), listen_dsn=database_url)
+    assert await accepted(a.handle, warm)
     pg_proxy.pause()
     lookup = asyncio.ensure_future(accepted(a.handle, raw))
     await until(lambda: pg_proxy.held_bytes > 0)  # the server answered "active"; the answer waits
