@@ -229,7 +229,7 @@ async def test_keys_rotate_keeps_subject_and_limits_and_revokes_the_old_key(
         (("keys", "create", "--name", "x", "--subject", "not-a-uuid"), "--subject"),
         (("keys", "create", "--name", "x", "--expires-in-days", "99999999"), "--expires-in-days"),
         (("keys", "create", "--rpm", "5"), "--name"),
-        (("keys", "create", "--name", "  "), "name must not be empty"),
+        (("keys", "create", "--name", "  "), "not blank"),
         (("keys", "revoke", str(uuid.UUID(int=1))), "no key with id or prefix"),
         (("keys", "rotate", "llmg_nothing"), "no key with id or prefix"),
         (("keys", "remove", "x"), "invalid choice"),
