@@ -75,7 +75,7 @@ def test_every_variable_is_read(tmp_path: Path) -> None:
     assert s.config_path == config and s.venice_api_key == "sk-v" and s.venice_base_url == "http://v.local/api/v1"
     assert s.admin_token == "admin" and s.request_timeout == 2.5 and s.body_limit == 100
     assert s.upstream_max_retries == 4 and s.capture_genai_content is True
-    assert s.otel_service_name == "gw" and s.otel_endpoint == "http://otel:4318" and s.shutdown_grace == 0
+    assert s.otel_service_name == "gw" and s.otel_endpoint == "http://otel:4318/v1/traces" and s.shutdown_grace == 0
     assert s.cors_origins == ("https://a.example", "https://b.example")
     assert s.management_cors_origins == ("https://ops.example",) and s.home == tmp_path / "h"
 
