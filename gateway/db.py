@@ -123,7 +123,8 @@ def embedded_database_url(home: Path) -> str:
     data_dir = embedded_data_dir(home)
     data_dir.mkdir(parents=True, exist_ok=True)
     try:
-        server = pgserver.get_server(str(data_dir), cleanup_mode=None)
+        # "stop": the server stops with the last process using it, like any child process.
+        server = pgserver.get_server(str(data_dir), cleanup_mode="stop")
         return str(server.get_uri("postgres"))
     except Exception as exc:  # noqa: BLE001 - pgserver raises plain exceptions from its subprocesses
         raise EmbeddedUnavailable(f"embedded PostgreSQL failed to start ({exc}); set DATABASE_URL") from None
