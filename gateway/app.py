@@ -16,6 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from actors.auth import AuthActor, AuthHandle
+from actors.billing import BillingActor, BillingHandle
 from actors.breaker import BreakerActor, BreakerHandle
 from actors.limiter import LimiterActor, LimiterHandle
 from actors.runtime import Supervisor
@@ -75,6 +76,9 @@ async def gateway_state(
                 await migrate(conn)
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=30)
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        # Billing first: actors stop in reverse, so it drains after everything that tells it.
+        billing_actor = BillingActor(pool, settings.journal_dir, ship_interval=settings.billing_ship_interval)
+        billing = BillingHandle(billing_actor, await supervisor.start(billing_actor))
         auth_actor = AuthActor(pool, dsn)
         auth_ref = await supervisor.start(auth_actor)
         breaker_actor = BreakerActor(config.circuit_breaker)
@@ -89,6 +93,7 @@ async def gateway_state(
             dsn=dsn,
             supervisor=supervisor,
             auth=AuthHandle(auth_actor, auth_ref),
+            billing=billing,
             keys=KeyStore(pool),
             router=Router(config),
             providers=providers,
@@ -97,6 +102,7 @@ async def gateway_state(
             breaker=BreakerHandle(breaker_actor, breaker_ref),
             tracing=tracing,
             limiter=LimiterHandle(limiter_actor, limiter_ref),
+            call_listeners=[billing.record],
         )
         # Last, so the metrics listener runs after billing's (which may price the call).
         telemetry.install(state)

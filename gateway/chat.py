@@ -27,6 +27,7 @@ from gateway.errors import (
     UpstreamUnavailable,
 )
 from gateway.middleware import request_id_of
+from gateway.pricing import settle_cost
 from gateway.providers.base import ProviderError, UpstreamTimeoutError
 from gateway.ratelimit import admit
 from gateway.routing import Route
@@ -101,6 +102,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_body(request, state.settings.body_limit)
     model, stream = parse_chat_body(body)
     route = state.router.resolve(model, key.policy.allowed_models)
+    state.billing.check_budget(key)  # 402 from in-memory counters: no hop, no database trip
     record = CallRecord(
         request_id=request_id_of(request),
         api_key_id=key.api_key_id,
@@ -131,6 +133,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 def _finish(state: GatewayState, record: CallRecord) -> None:
+    settle_cost(record)  # once, so billing, metrics and logs see the same cost
     for listener in state.call_listeners:
         try:
             listener(record)

@@ -69,6 +69,15 @@ class Settings:
     cors_origins: tuple[str, ...] = ("*",)
     management_cors_origins: tuple[str, ...] = ()
     home: Path = field(default_factory=lambda: Path("~/.local/share/llm-gateway").expanduser())
+    #: Where the billing journal lives (``BILLING_JOURNAL_DIR``); None: ``home/billing-journal``.
+    billing_journal_dir: Path | None = None
+    #: How often billing ships its journal to the ledger (``BILLING_SHIP_INTERVAL_SECONDS``).
+    billing_ship_interval: float = 0.1
+
+    @property
+    def journal_dir(self) -> Path:
+        """The billing journal's root directory."""
+        return self.billing_journal_dir or self.home / "billing-journal"
 
 
 def _env(environ: Mapping[str, str], name: str) -> str | None:
@@ -200,6 +209,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         cors_origins=_origins(env, "CORS_ALLOWED_ORIGINS", "*"),
         management_cors_origins=management_cors,
         home=Path(home_raw).expanduser() if home_raw else Settings().home,
+        billing_journal_dir=Path(journal_raw).expanduser() if (journal_raw := env.get("BILLING_JOURNAL_DIR")) else None,
+        billing_ship_interval=_number(env, "BILLING_SHIP_INTERVAL_SECONDS", 0.1, integer=False, minimum=0.001),
     )
 
 

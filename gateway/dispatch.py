@@ -182,6 +182,7 @@ class _Call:
                     telemetry.failed_over(state, *_left_behind(self.last_target, self.last_error, self.last_reply))
                 self.attempted += 1
                 record.provider, record.deployment = target.provider, deployment
+                record.price = target.deployment.price
                 record.fallback_model = fallback_model
             started = time.monotonic()
             try:

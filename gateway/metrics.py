@@ -389,6 +389,8 @@ class GatewayMetrics:
         cost = cost_of(record)
         if cost:
             self._cost(requested).inc(cost)
+        elif record.cost_source == "unpriced":  # settled by gateway.pricing before listeners
+            self.unpriced(record.requested_model)
         if record.failovers:
             self._failovers(requested).inc(record.failovers)
 

@@ -22,6 +22,7 @@ from gateway.usage import CallRecord
 
 if TYPE_CHECKING:
     from actors.auth import AuthHandle
+    from actors.billing import BillingHandle
     from actors.breaker import BreakerHandle, DeploymentStatus
     from actors.limiter import LimiterHandle
 
@@ -38,6 +39,7 @@ class GatewayState:
     dsn: str
     supervisor: Supervisor
     auth: AuthHandle
+    billing: BillingHandle
     keys: KeyStore
     router: Router
     providers: dict[str, Provider]

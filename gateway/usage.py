@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from gateway.config import Price
+
 __all__ = ["CallRecord", "StreamTap", "Usage", "usage_from_answer"]
 
 
@@ -37,8 +39,9 @@ class Usage:
         usage = obj.get("usage")
         found = False
         if isinstance(usage, dict):
-            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+            # ``input_tokens``/``output_tokens``: the same counts under newer names.
+            self.prompt_tokens = _count(usage.get("prompt_tokens", usage.get("input_tokens")))
+            self.completion_tokens = _count(usage.get("completion_tokens", usage.get("output_tokens")))
             self.estimated = False
             found = True
         cost = obj.get("cost")
@@ -48,6 +51,13 @@ class Usage:
             if isinstance(cost.get("diem"), int | float):
                 self.cost_diem = float(cost["diem"])
         return found
+
+
+def _count(value: Any) -> int:
+    """A token count as reported; anything that is not a non-negative number is 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return 0
+    return int(value)
 
 
 def usage_from_answer(body: bytes) -> tuple[Usage, dict[str, Any] | None]:
@@ -185,6 +195,16 @@ class CallRecord:
     trace_headers: Mapping[str, str] = field(default_factory=lambda: _NO_HEADERS)
     #: The completion text, kept only when CAPTURE_GENAI_CONTENT=true (for span events).
     completion: str | None = None
+    #: The gateway's own id for this call: the ledger's idempotency key (never reused,
+    #: unlike ``request_id``, which a client may choose).
+    call_id: uuid.UUID = field(default_factory=uuid.uuid4)
+    #: The price table of the deployment that served the call, if configured.
+    price: Price | None = None
+    #: What the call cost, settled once when it ends (:func:`gateway.pricing.settle_cost`):
+    #: the provider's own ``cost``, else the price table's, else 0.
+    cost_usd: float = 0.0
+    #: provider | price | unpriced (tokens but no way to price them) | none (no tokens).
+    cost_source: str = "none"
 
 
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})

@@ -233,7 +233,8 @@ async def gateway_factory(
     stack = contextlib.AsyncExitStack()
 
     async def start(env: Mapping[str, str] | None = None, config_yaml: str | None = None) -> Gateway:
-        environ = {"DATABASE_URL": database_url, **(env or {})}
+        # The data directory (and so the billing journal) is the test's own, never $HOME.
+        environ = {"DATABASE_URL": database_url, "LLM_GATEWAY_HOME": str(tmp_path / "home"), **(env or {})}
         if config_yaml is not None:
             path = tmp_path / f"gateway-{uuid.uuid4().hex[:6]}.yaml"
             path.write_text(config_yaml)

@@ -1,0 +1,510 @@
+"""BillingActor: every finished call lands in the ledger exactly once, and budgets hold.
+
+State it owns:
+
+* the local journal (:mod:`gateway.journal`): events are appended as they are told,
+  group-committed with one ``fsync`` at most every ``fsync_interval`` seconds, sealed
+  and shipped in batches (one ``INSERT ... ON CONFLICT (call_id) DO NOTHING`` per batch),
+  and deleted once the ledger has them. While PostgreSQL is away they wait on disk; a
+  restart ships whatever a crash left.
+* running spend counters per key and per subject: the ledger's daily rollup (refreshed
+  about every second, so every replica sees every replica's spend) plus what this
+  replica recorded and has not shipped yet. They are published as read-only views, so
+  the budget check before a call costs no mailbox hop and no database trip.
+* counters for metrics: recorded, shipped, duplicates, overflowed, pending, unpriced models.
+
+Handlers never wait for billing: :meth:`BillingHandle.record` (a call listener) tells
+the actor one event per call; when the mailbox is full the event is appended to the
+journal directly instead (the append is synchronous and needs no await, so it is safe
+from any task on the loop), never dropped. On stop (SIGTERM) the actor drains: the
+mailbox, a last fsync, a last ship; what cannot be shipped stays on disk for next start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+import orjson
+
+from actors.runtime import Actor, ActorRef, ActorStopped, MailboxFull
+from gateway.budgets import fetch_spend
+from gateway.errors import BudgetExceeded
+from gateway.journal import Journal, Segment
+from gateway.ledger import UsageEvent, fetch_ledger_id, ship_lines
+from gateway.usage import CallRecord
+
+if TYPE_CHECKING:
+    from actors.auth import VerifiedKey
+
+__all__ = [
+    "BillingActor",
+    "BillingHandle",
+    "BillingStats",
+    "Flush",
+    "Record",
+    "Spend",
+    "SpendReport",
+]
+
+log = logging.getLogger("gateway.billing")
+
+#: Longest wait between two attempts to reach an unreachable ledger.
+MAX_SHIP_BACKOFF = 2.0
+#: Unpriced model names remembered for metrics; a bound, since clients choose names.
+MAX_UNPRICED_MODELS = 1000
+#: A bad row (refused by the ledger) makes us ship its batch line by line, at most this big.
+_DATA_ERRORS = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
+
+
+# -- messages ----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One finished call (tell): journaled, counted, logged, shipped later."""
+
+    event: UsageEvent
+
+
+@dataclass(frozen=True, slots=True)
+class Flush:
+    """Ship everything recorded so far (ask): True once the ledger has it, False if the
+    ledger could not be reached (the events stay on disk)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Spend:
+    """The running spend of a key and/or a subject in their budget periods (ask)."""
+
+    api_key_id: uuid.UUID | None = None
+    subject_id: uuid.UUID | None = None
+
+
+# -- replies -----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SpendReport:
+    #: USD spent in the key's budget period (all recorded spend if it has no budget).
+    key_spent_usd: float | None
+    subject_spent_usd: float | None
+    subject_budget_usd: float | None
+    subject_budget_period: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class BillingStats:
+    """Counters for metrics and readiness (a snapshot)."""
+
+    #: Events told (or overflowed) since start.
+    recorded: int
+    #: Rows the ledger inserted from this replica's journal.
+    shipped: int
+    #: Lines shipped again after a crash or a lost reply, which the ledger already had.
+    duplicates: int
+    #: Events not yet in the ledger (``gateway_billing_pending_events``).
+    pending: int
+    #: Events written to the journal directly because the mailbox was full.
+    overflowed: int
+    #: Lines the ledger refused, set aside in ``rejected.jsonl``.
+    rejected: int
+    #: Ship attempts that failed because the ledger was unreachable.
+    ship_failures: int
+    ledger_reachable: bool
+    #: Requested models with tokens and no price (``cost_source == "unpriced"``).
+    unpriced_models: frozenset[str]
+    journal_dir: str
+
+
+class BillingActor(Actor[Record | Flush | Spend]):
+    name = "billing"
+
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        journal_root: Path,
+        *,
+        mailbox_size: int = 8192,
+        fsync_interval: float = 0.005,
+        ship_interval: float = 0.1,
+        refresh_interval: float = 1.0,
+        max_batch: int = 5000,
+        ship_timeout: float = 3.0,
+        drain_timeout: float = 5.0,
+    ) -> None:
+        self.mailbox_size = mailbox_size
+        super().__init__()
+        self._pool = pool
+        self._journal_root = journal_root
+        self._fsync_interval = fsync_interval
+        self._ship_interval = ship_interval
+        self._refresh_interval = refresh_interval
+        self._max_batch = max_batch
+        self._ship_timeout = ship_timeout
+        self._drain_timeout = drain_timeout
+        self._journal: Journal | None = None
+        self._key_spent: dict[uuid.UUID, float] = {}
+        self._subject_spent: dict[uuid.UUID, float] = {}
+        self._subject_budgets: dict[uuid.UUID, tuple[float, str]] = {}
+        #: Read-only views for the budget check (see BillingHandle.check_budget).
+        self.key_spent: Mapping[uuid.UUID, float] = MappingProxyType(self._key_spent)
+        self.subject_spent: Mapping[uuid.UUID, float] = MappingProxyType(self._subject_spent)
+        self.subject_budgets: Mapping[uuid.UUID, tuple[float, str]] = MappingProxyType(self._subject_budgets)
+        self._flush_waiters: list[asyncio.Future[bool]] = []
+        self._wake_shipper = asyncio.Event()
+        self._stopping = False
+        self._committer: asyncio.Task[None] | None = None
+        self._shipper: asyncio.Task[None] | None = None
+        self._unpriced: set[str] = set()
+        self.recorded = 0
+        self.shipped = 0
+        self.duplicates = 0
+        self.overflowed = 0
+        self.ship_failures = 0
+        self.ledger_reachable = True
+        self.refreshed_at: float | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def on_start(self) -> None:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self._ship_timeout * 2):
+            ledger_id = await fetch_ledger_id(self._pool)
+        self._journal = await loop.run_in_executor(None, Journal.open, self._journal_root / str(ledger_id))
+        await self._refresh()  # budgets hold from the first request
+        self._committer = loop.create_task(self._commit_forever(), name="billing:commit")
+        self._shipper = loop.create_task(self._ship_forever(), name="billing:ship")
+
+    async def on_stop(self) -> None:
+        """Drain: last fsync, last ship; whatever the ledger cannot take stays on disk."""
+        journal = self.journal
+        self._stopping = True
+        self._wake_shipper.set()
+        journal.wake()
+        # Asked to finish, never cancelled: a commit must not be cut while its thread writes.
+        for task in (self._committer, self._shipper):
+            if task is not None:
+                with contextlib.suppress(Exception):
+                    await task
+        try:
+            await journal.commit()
+        except OSError as exc:
+            log.error("billing journal: final commit failed: %s", exc)
+        try:
+            async with asyncio.timeout(self._drain_timeout):
+                shipped = await self._ship_cycle()
+        except TimeoutError:
+            shipped = False
+        if not shipped or journal.pending_events:
+            log.warning(
+                "billing: %d event(s) stay in %s; they are shipped at the next start",
+                journal.pending_events, journal.directory,
+            )
+        journal.close()
+
+    # -- messages -----------------------------------------------------------------------
+    async def receive(self, msg: Record | Flush | Spend) -> Any:
+        if isinstance(msg, Record):
+            self.ingest(msg.event)
+            return None
+        if isinstance(msg, Flush):
+            fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            self._flush_waiters.append(fut)
+            self._wake_shipper.set()
+            return fut  # deferred: answered after the next ship
+        if isinstance(msg, Spend):
+            budget = self._subject_budgets.get(msg.subject_id) if msg.subject_id else None
+            return SpendReport(
+                key_spent_usd=self._key_spent.get(msg.api_key_id, 0.0) if msg.api_key_id else None,
+                subject_spent_usd=self._subject_spent.get(msg.subject_id, 0.0) if msg.subject_id else None,
+                subject_budget_usd=budget[0] if budget else None,
+                subject_budget_period=budget[1] if budget else None,
+            )
+        raise TypeError(f"unexpected message {msg!r}")
+
+    def ingest(self, event: UsageEvent) -> None:
+        """Journal, count and log one event. Synchronous (no await), so the handle may
+        call it directly when the mailbox is full or the actor has stopped."""
+        journal = self.journal
+        journal.append(event.to_line(), event.api_key_id, event.subject_id, event.cost_usd)
+        self.recorded += 1
+        if event.cost_usd > 0:
+            self._key_spent[event.api_key_id] = self._key_spent.get(event.api_key_id, 0.0) + event.cost_usd
+            self._subject_spent[event.subject_id] = self._subject_spent.get(event.subject_id, 0.0) + event.cost_usd
+        if event.cost_source == "unpriced" and len(self._unpriced) < MAX_UNPRICED_MODELS:
+            self._unpriced.add(event.requested_model)
+        if journal.active_lines >= self._max_batch:
+            self._wake_shipper.set()
+        if log.isEnabledFor(logging.INFO):
+            _log_billing(event)
+
+    # -- group commit -------------------------------------------------------------------
+    async def _commit_forever(self) -> None:
+        journal = self.journal
+        while True:
+            await journal.wait_for_data()
+            try:
+                await journal.commit()
+            except OSError as exc:
+                log.error("billing journal: commit failed (%s); %d event(s) wait in memory", exc, journal.buffered)
+                await asyncio.sleep(0.5)
+            if self._stopping:
+                return
+            # Group commit: whatever arrives meanwhile goes out with the next fsync.
+            await asyncio.sleep(self._fsync_interval)
+
+    # -- shipping -----------------------------------------------------------------------
+    async def _ship_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_ship = loop.time() + self._ship_interval
+        next_refresh = loop.time() + self._refresh_interval
+        backoff = self._ship_interval
+        while not self._stopping:
+            timeout = max(0.0, min(next_ship, next_refresh) - loop.time())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake_shipper.wait(), timeout)
+            woken = self._wake_shipper.is_set()
+            self._wake_shipper.clear()
+            if self._stopping:
+                return
+            try:
+                if woken or loop.time() >= next_ship:
+                    ok = await self._ship_cycle()
+                    backoff = self._ship_interval if ok else min(max(backoff * 2, 0.1), MAX_SHIP_BACKOFF)
+                    next_ship = loop.time() + (self._ship_interval if ok else backoff)
+                # Refresh only after a ship, never during one: the counters add the ledger's
+                # figure to what is not shipped yet, so the two must not overlap.
+                if loop.time() >= next_refresh and self.ledger_reachable:
+                    await self._refresh()
+                    next_refresh = loop.time() + self._refresh_interval
+            except Exception:
+                log.exception("billing: ship loop error")
+                await asyncio.sleep(backoff)
+
+    async def _ship_cycle(self) -> bool:
+        """Seal the active segment and ship every sealed one; answer the flushes waiting."""
+        waiters, self._flush_waiters = self._flush_waiters, []
+        ok = False
+        try:
+            ok = await self._ship_all()
+        finally:
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(ok)
+        return ok
+
+    async def _ship_all(self) -> bool:
+        journal = self.journal
+        sealed = True
+        try:
+            await journal.seal()
+        except OSError as exc:
+            log.error("billing journal: cannot seal the active segment: %s", exc)
+            sealed = False
+        for segment in journal.sealed():
+            if not await self._ship_segment(segment):
+                return False
+        return sealed
+
+    async def _ship_segment(self, segment: Segment) -> bool:
+        journal = self.journal
+        loop = asyncio.get_running_loop()
+        try:
+            lines = await loop.run_in_executor(None, Journal.read, segment)
+        except FileNotFoundError:
+            journal.discard(segment)
+            return True
+        for start in range(0, len(lines), self._max_batch):
+            batch = lines[start : start + self._max_batch]
+            try:
+                async with asyncio.timeout(self._ship_timeout):
+                    inserted = await ship_lines(self._pool, batch)
+            except _DATA_ERRORS as exc:
+                log.error("billing: the ledger refused a batch (%s); shipping it line by line", exc)
+                try:
+                    inserted = await self._ship_one_by_one(batch)
+                except Exception as exc2:  # noqa: BLE001 - any failure: the batch waits on disk
+                    self._unreachable(exc2)
+                    return False
+            except Exception as exc:  # noqa: BLE001 - any failure: the batch waits on disk
+                self._unreachable(exc)
+                return False
+            self.shipped += inserted
+            self.duplicates += len(batch) - inserted
+        journal.discard(segment)
+        self._reachable()
+        return True
+
+    async def _ship_one_by_one(self, batch: list[bytes]) -> int:
+        inserted = 0
+        refused: list[bytes] = []
+        for line in batch:
+            try:
+                async with asyncio.timeout(self._ship_timeout):
+                    inserted += await ship_lines(self._pool, [line])
+            except _DATA_ERRORS as exc:
+                log.error("billing: ledger refused an event (%s); kept in rejected.jsonl", exc)
+                refused.append(line)
+        if refused:
+            self.journal.reject(refused)
+        return inserted
+
+    def _unreachable(self, exc: BaseException) -> None:
+        self.ship_failures += 1
+        if self.ledger_reachable:
+            self.ledger_reachable = False
+            log.warning(
+                "billing: ledger unreachable (%s: %s); %d event(s) wait in %s",
+                type(exc).__name__, exc, self.journal.pending_events, self.journal.directory,
+            )
+
+    def _reachable(self) -> None:
+        if not self.ledger_reachable:
+            self.ledger_reachable = True
+            log.info("billing: ledger reachable again; shipping the journal")
+
+    # -- spend counters -------------------------------------------------------------------
+    async def _refresh(self) -> None:
+        """Counters := the ledger's spend per budget period + what is not shipped yet."""
+        try:
+            async with asyncio.timeout(self._ship_timeout):
+                snapshot = await fetch_spend(self._pool)
+        except Exception as exc:  # noqa: BLE001 - keep the last counters; retried next time
+            log.debug("billing: spend refresh failed: %r", exc)
+            return
+        unshipped_keys, unshipped_subjects = self.journal.unshipped_spend()
+        _replace(self._key_spent, snapshot.key_spend, unshipped_keys)
+        _replace(self._subject_spent, snapshot.subject_spend, unshipped_subjects)
+        self._subject_budgets.clear()
+        self._subject_budgets.update(snapshot.subject_budgets)
+        self.refreshed_at = time.monotonic()
+
+    # -- views ----------------------------------------------------------------------------
+    @property
+    def journal(self) -> Journal:
+        if self._journal is None:
+            raise RuntimeError("billing actor used before it started")
+        return self._journal
+
+    def stats(self) -> BillingStats:
+        journal = self._journal
+        return BillingStats(
+            recorded=self.recorded,
+            shipped=self.shipped,
+            duplicates=self.duplicates,
+            pending=journal.pending_events if journal else 0,
+            overflowed=self.overflowed,
+            rejected=journal.rejected if journal else 0,
+            ship_failures=self.ship_failures,
+            ledger_reachable=self.ledger_reachable,
+            unpriced_models=frozenset(self._unpriced),
+            journal_dir=str(journal.directory) if journal else "",
+        )
+
+
+def _replace(target: dict[uuid.UUID, float], base: dict[uuid.UUID, float], extra: dict[uuid.UUID, float]) -> None:
+    """Rebuild ``target`` in place (its read-only view stays valid) as base + extra."""
+    target.clear()
+    target.update(base)
+    for k, v in extra.items():
+        target[k] = target.get(k, 0.0) + v
+
+
+def _log_billing(event: UsageEvent) -> None:
+    """The per-call billing line (seed 000): key id, request id, cost; JSON."""
+    payload = {
+        "event": "billing",
+        "api_key_id": str(event.api_key_id),
+        "subject_id": str(event.subject_id),
+        "request_id": event.request_id,
+        "response_id": event.response_id,
+        "model": event.requested_model,
+        "served_model": event.served_model,
+        "provider": event.provider,
+        "prompt_tokens": event.prompt_tokens,
+        "completion_tokens": event.completion_tokens,
+        "cost_usd": event.cost_usd,
+        "cost_diem": event.cost_diem,
+        "cost_source": event.cost_source,
+        "status": event.status,
+    }
+    log.info(orjson.dumps(payload).decode(), extra={"billing": payload})
+
+
+class BillingHandle:
+    """What the edge holds: the call listener, the budget check, flush and stats."""
+
+    __slots__ = ("_actor", "_key_spent", "_ref", "_subject_budgets", "_subject_spent")
+
+    def __init__(self, actor: BillingActor, ref: ActorRef[Any]) -> None:
+        self._actor = actor
+        self._ref = ref
+        self._key_spent = actor.key_spent
+        self._subject_spent = actor.subject_spent
+        self._subject_budgets = actor.subject_budgets
+
+    def record(self, call: CallRecord) -> None:
+        """Call listener: one event per finished call. Never waits, never raises."""
+        try:
+            event = UsageEvent.from_call(call)
+        except Exception:
+            log.exception("billing: cannot make an event of call %s", call.request_id)
+            return
+        try:
+            self._ref.tell(Record(event))
+        except (MailboxFull, ActorStopped):
+            # Never dropped: straight into the journal (an in-memory append, no await).
+            self._actor.overflowed += 1
+            try:
+                self._actor.ingest(event)
+            except Exception:
+                log.exception("billing: LOST event %s (call %s)", event.call_id, event.request_id)
+
+    def check_budget(self, key: VerifiedKey) -> None:
+        """Raise BudgetExceeded if the key's or its subject's budget is spent.
+
+        Reads the actor's published counters: no mailbox hop, no database trip. What
+        calls already in flight will cost is not known yet, so the overshoot is bounded
+        by them.
+        """
+        policy = key.policy
+        budget = policy.budget_usd
+        if budget is not None and self._key_spent.get(key.api_key_id, 0.0) >= budget:
+            raise BudgetExceeded(
+                f"this key's budget of {budget} USD {_per(policy.budget_period)} is spent"
+            )
+        subject_budget = self._subject_budgets.get(key.subject_id)
+        if subject_budget is not None and self._subject_spent.get(key.subject_id, 0.0) >= subject_budget[0]:
+            raise BudgetExceeded(
+                f"the budget of this key's subject ({subject_budget[0]:g} USD {_per(subject_budget[1])}) is spent"
+            )
+
+    async def flush(self, timeout: float = 10.0) -> bool:
+        """Ship everything recorded so far; True once the ledger has it."""
+        return bool(await self._ref.ask(Flush(), timeout=timeout))
+
+    async def spend(self, api_key_id: uuid.UUID | None = None, subject_id: uuid.UUID | None = None) -> SpendReport:
+        result: SpendReport = await self._ref.ask(Spend(api_key_id, subject_id))
+        return result
+
+    def stats(self) -> BillingStats:
+        return self._actor.stats()
+
+    @property
+    def pending_events(self) -> int:
+        """For ``gateway_billing_pending_events``."""
+        journal = self._actor._journal
+        return journal.pending_events if journal is not None else 0
+
+    @property
+    def ref(self) -> ActorRef[Any]:
+        return self._ref
+
+
+def _per(period: str | None) -> str:
+    return {"day": "per day", "month": "per month", "total": "in total"}.get(period or "", "")

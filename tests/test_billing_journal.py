@@ -1,0 +1,138 @@
+"""The billing journal on a real directory: commit, seal, recovery, slots, torn lines."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import orjson
+
+from gateway.journal import Journal
+
+KEY, SUBJECT = uuid.uuid4(), uuid.uuid4()
+
+
+def line(n: int, cost: float = 0.5) -> bytes:
+    return orjson.dumps(
+        {"call_id": str(uuid.uuid4()), "n": n, "api_key_id": str(KEY), "subject_id": str(SUBJECT), "cost_usd": cost},
+        option=orjson.OPT_APPEND_NEWLINE,
+    )
+
+
+def crash(journal: Journal) -> None:
+    """What SIGKILL does to a journal: file descriptors close, nothing else runs."""
+    if journal._fd is not None:
+        os.close(journal._fd)
+    assert journal._lock_fd is not None
+    os.close(journal._lock_fd)
+
+
+async def test_commit_seal_read_discard(tmp_path: Path) -> None:
+    journal = Journal.open(tmp_path)
+    lines = [line(i) for i in range(5)]
+    for raw in lines:
+        journal.append(raw, KEY, SUBJECT, 0.5)
+    assert journal.buffered == 5 and journal.pending_events == 5
+    assert await journal.commit() == 5
+    assert journal.buffered == 0
+    segment = await journal.seal()
+    assert segment is not None and segment.lines == 5
+    assert Journal.read(segment) == lines
+    assert journal.unshipped_spend() == ({KEY: 2.5}, {SUBJECT: 2.5})
+    assert await journal.seal() is None  # nothing new: no empty segment
+    journal.discard(segment)
+    assert not segment.path.exists() and journal.pending_events == 0
+    journal.close()
+
+
+async def test_a_crash_leaves_committed_events_for_the_next_open(tmp_path: Path) -> None:
+    journal = Journal.open(tmp_path)
+    committed = [line(i) for i in range(3)]
+    for raw in committed:
+        journal.append(raw, KEY, SUBJECT, 0.5)
+    await journal.commit()
+    sealed = await journal.seal()
+    journal.append(line(99), KEY, SUBJECT, 0.5)
+    await journal.commit()  # in the active segment, not sealed yet
+    journal.append(line(100), KEY, SUBJECT, 0.5)  # buffered only: lost by a crash, by design
+    crash(journal)
+    assert sealed is not None
+    reopened = Journal.open(tmp_path)
+    assert reopened.directory == journal.directory  # the same slot, free again
+    leftovers = reopened.sealed()
+    assert [s.lines for s in leftovers] == [3, 1]
+    assert [orjson.loads(x)["n"] for s in leftovers for x in Journal.read(s)] == [0, 1, 2, 99]
+    # Spend of the leftovers is known again, so budgets count them before they ship.
+    assert reopened.unshipped_spend()[0] == {KEY: 2.0}
+    # New segments never reuse a leftover's name.
+    reopened.append(line(5), KEY, SUBJECT, 0.5)
+    new = await reopened.seal()
+    assert new is not None and new.path not in {s.path for s in leftovers}
+    reopened.close()
+
+
+async def test_torn_tail_is_skipped_and_garbage_set_aside(tmp_path: Path) -> None:
+    journal = Journal.open(tmp_path)
+    good = [line(1), line(2)]
+    for raw in good:
+        journal.append(raw, KEY, SUBJECT, 0.5)
+    await journal.commit()
+    segment_path = journal._active.path if journal._active else None
+    crash(journal)
+    assert segment_path is not None
+    with segment_path.open("ab") as f:
+        f.write(b"not json at all\n")
+        f.write(b'{"call_id": "torn", "n": 3, "api_k')  # a write cut by the crash
+    reopened = Journal.open(tmp_path)
+    [segment] = reopened.sealed()
+    assert segment.lines == 2 and Journal.read(segment) == good
+    assert (reopened.directory / "rejected.jsonl").read_bytes() == b"not json at all\n"
+    reopened.close()
+
+
+async def test_each_process_gets_its_own_slot(tmp_path: Path) -> None:
+    first = Journal.open(tmp_path)
+    second = Journal.open(tmp_path)
+    assert first.directory != second.directory
+    second.append(line(7), KEY, SUBJECT, 0.5)
+    await second.commit()
+    crash(second)  # its slot is free now, with an event in it
+    first.append(line(8), KEY, SUBJECT, 0.5)
+    await first.commit()
+    # A restarted process takes the free slot and finds its events; the live slot is not touched.
+    third = Journal.open(tmp_path)
+    assert third.directory == second.directory
+    assert [orjson.loads(x)["n"] for s in third.sealed() for x in Journal.read(s)] == [7]
+    assert first.pending_events == 1 and list(first.directory.glob("segment-*"))
+    first.close()
+    third.close()
+
+
+async def test_orphans_move_into_the_opener_slot(tmp_path: Path) -> None:
+    holder = Journal.open(tmp_path)  # slot-0 stays held
+    dead = Journal.open(tmp_path)  # slot-1
+    dead.append(line(1), KEY, SUBJECT, 0.5)
+    await dead.commit()
+    crash(dead)
+    other = Journal.open(tmp_path)  # takes slot-1 back
+    keeper = Journal.open(tmp_path)  # slot-2: nothing to adopt while slot-1 is held
+    assert keeper.sealed() == []
+    crash(other)
+    holder.close()
+    adopter = Journal.open(tmp_path)  # slot-0 is free again: takes it and adopts slot-1's files
+    assert adopter.directory.name == "slot-0"
+    assert [orjson.loads(x)["n"] for s in adopter.sealed() for x in Journal.read(s)] == [1]
+    assert not list(dead.directory.glob("segment-*"))
+    adopter.close()
+    keeper.close()
+
+
+async def test_an_event_after_close_is_written_at_once(tmp_path: Path) -> None:
+    journal = Journal.open(tmp_path)
+    journal.close()
+    late = line(42)
+    journal.append(late, KEY, SUBJECT, 0.5)
+    reopened = Journal.open(tmp_path)
+    assert [x for s in reopened.sealed() for x in Journal.read(s)] == [late]
+    reopened.close()
