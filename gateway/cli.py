@@ -1,4 +1,4 @@
-"""The ``llm-gateway`` command: serve, migrate, keys (usage joins with the ledger).
+"""The ``llm-gateway`` command: serve, migrate, keys, usage, budgets.
 
 Every command reads ``DATABASE_URL``; an expected failure (bad input, unreachable
 database, bad configuration) prints one line to stderr and exits non-zero, never a
@@ -13,17 +13,19 @@ import os
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from typing import NoReturn
 from urllib.parse import urlsplit
 
 import asyncpg
 
+from gateway.budgets import SubjectBudgetStore
 from gateway.config import ConfigError, GatewayConfig, Settings, load_config, load_settings
 from gateway.db import DatabaseUnavailable, EmbeddedUnavailable, connect_pool, migrate
 from gateway.keys import KeyNotFound, KeyPolicy, KeyRecord, KeyStore
 from gateway.logs import LOG_FORMATS, LogSetup, configure_logging
+from gateway.reports import GROUPS, UsageQuery, format_table, parse_time, usage_report
 from gateway.server import resolve_database_url, run, serve
 from gateway.workers import supervise_workers
 
@@ -94,6 +96,16 @@ def _models(text: str) -> tuple[str, ...]:
     return models
 
 
+def _time(name: str) -> Callable[[str], datetime]:
+    def parse(text: str) -> datetime:
+        try:
+            return parse_time(text, name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="llm-gateway", description="An OpenAI-compatible LLM gateway.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -131,6 +143,26 @@ def build_parser() -> argparse.ArgumentParser:
     rotate = key_commands.add_parser("rotate", help="issue a new key with the same subject and limits")
     rotate.add_argument("key")
     rotate.add_argument("--json", action="store_true")
+
+    usage = commands.add_parser("usage", help="usage and spend from the ledger")
+    usage.add_argument("--key", help="only this key (id or prefix)")
+    usage.add_argument("--subject", type=_uuid, help="only this subject")
+    usage.add_argument("--since", type=_time("--since"), help="from this ISO date/time, inclusive (UTC if no offset)")
+    usage.add_argument("--until", type=_time("--until"), help="to this ISO date/time, exclusive (UTC if no offset)")
+    usage.add_argument("--group-by", choices=GROUPS, default="key")
+    usage.add_argument("--json", action="store_true")
+
+    budgets = commands.add_parser("budgets", help="set, list and clear subject budgets")
+    budget_commands = budgets.add_subparsers(dest="budgets_command", required=True, metavar="ACTION")
+    budget_set = budget_commands.add_parser("set", help="create or replace a subject's budget")
+    budget_set.add_argument("--subject", type=_uuid, required=True)
+    budget_set.add_argument("--usd", type=_budget, required=True, help="spend cap in USD per period")
+    budget_set.add_argument("--period", choices=["day", "month", "total"], default="month")
+    budget_set.add_argument("--json", action="store_true")
+    budget_list = budget_commands.add_parser("list", help="list subject budgets")
+    budget_list.add_argument("--json", action="store_true")
+    budget_clear = budget_commands.add_parser("clear", help="remove a subject's budget")
+    budget_clear.add_argument("--subject", type=_uuid, required=True)
     return parser
 
 
@@ -143,6 +175,58 @@ async def _with_store(settings: Settings, action: Callable[[KeyStore], Awaitable
         return await action(KeyStore(pool))
     finally:
         await pool.close()
+
+
+async def _with_pool(settings: Settings, action: Callable[[asyncpg.Pool], Awaitable[int]]) -> int:
+    dsn, _embedded = resolve_database_url(settings)
+    pool = await connect_pool(dsn, min_size=1, max_size=2)
+    try:
+        async with pool.acquire() as conn:
+            await migrate(conn)
+        return await action(pool)
+    finally:
+        await pool.close()
+
+
+async def _usage(args: argparse.Namespace, settings: Settings) -> int:
+    async def act(pool: asyncpg.Pool) -> int:
+        key_id = (await KeyStore(pool).get(args.key)).api_key_id if args.key else None
+        try:
+            query = UsageQuery(
+                group_by=args.group_by, since=args.since, until=args.until,
+                api_key_id=key_id, subject_id=args.subject,
+            )
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        report = await usage_report(pool, query)
+        print(json.dumps(report.to_json()) if args.json else format_table(report))
+        return 0
+
+    return await _with_pool(settings, act)
+
+
+async def _budgets(args: argparse.Namespace, settings: Settings) -> int:
+    async def act(pool: asyncpg.Pool) -> int:
+        store = SubjectBudgetStore(pool)
+        if args.budgets_command == "set":
+            budget = await store.set(args.subject, args.usd, args.period)
+            print(json.dumps(budget.to_json()) if args.json
+                  else f"subject {budget.subject_id}: {budget.budget_usd} USD per {budget.budget_period}")
+        elif args.budgets_command == "list":
+            budgets = await store.list()
+            if args.json:
+                print(json.dumps([b.to_json() for b in budgets]))
+            else:
+                print(f"{'SUBJECT':36}  {'USD':>14}  PERIOD")
+                for b in budgets:
+                    print(f"{b.subject_id!s:36}  {b.budget_usd:>14}  {b.budget_period}")
+        elif args.budgets_command == "clear":
+            if not await store.clear(args.subject):
+                raise CommandError(f"subject {args.subject} has no budget")
+            print(f"cleared the budget of subject {args.subject}")
+        return 0
+
+    return await _with_pool(settings, act)
 
 
 def _print_key(raw: str, record: KeyRecord, as_json: bool) -> None:
@@ -255,6 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(_migrate(settings))
         if args.command == "keys":
             return run(_keys(args, settings))
+        if args.command == "usage":
+            return run(_usage(args, settings))
+        if args.command == "budgets":
+            return run(_budgets(args, settings))
     except ConfigError as exc:
         print(f"llm-gateway: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
