@@ -7,9 +7,9 @@ State it owns:
   and shipped in batches (one ``INSERT ... ON CONFLICT (call_id) DO NOTHING`` per batch),
   and deleted once the ledger has them. While PostgreSQL is away they wait on disk; a
   restart ships whatever a crash left.
-* running spend counters per key and per subject: the ledger's daily rollup (refreshed
-  about every second, so every replica sees every replica's spend) plus what this
-  replica recorded and has not shipped yet. They are published as read-only views, so
+* running spend counters per key and per subject: the ledger's spend in each budget's
+  current period (``budget_spend``, refreshed about every second, so every replica sees
+  every replica's spend) plus what this replica recorded and has not shipped yet. They are published as read-only views, so
   the budget check before a call costs no mailbox hop and no database trip.
 * counters for metrics: recorded, shipped, duplicates, overflowed, pending, unpriced models.
 

@@ -2,9 +2,9 @@
 
 A budget holds for a period: ``day`` (the current UTC day), ``month`` (the current UTC
 calendar month) or ``total`` (all time). The check before a call reads spend counters
-the BillingActor keeps in memory; :func:`fetch_spend` is what refreshes them from the
-ledger's daily rollup about once a second (never the ledger itself), so every replica
-sees every replica's spend. :class:`SubjectBudgetStore` is the one place the CLI and the
+the BillingActor keeps in memory; :func:`fetch_spend` is what refreshes them about once
+a second from ``budget_spend`` (one row per budget and period, kept by the ledger's
+trigger; never the ledger itself), so every replica sees every replica's spend. :class:`SubjectBudgetStore` is the one place the CLI and the
 admin API change subject budgets.
 """
 
@@ -40,20 +40,14 @@ WITH bounds AS (
   UNION ALL
   SELECT 'subject', s.subject_id, s.budget_usd, s.budget_period
   FROM subject_budgets s
-), windows AS (
-  SELECT b.*, CASE b.period WHEN 'day' THEN bounds.today
-                            WHEN 'month' THEN bounds.month_start
-                            ELSE '-infinity'::date END AS since
-  FROM budgets b, bounds
 )
-SELECT w.scope, w.id, w.budget, w.period,
-       CASE w.scope
-         WHEN 'key' THEN (SELECT coalesce(sum(d.cost_usd), 0) FROM usage_daily d
-                          WHERE d.api_key_id = w.id AND d.day >= w.since)
-         ELSE (SELECT coalesce(sum(d.cost_usd), 0) FROM usage_daily d
-               WHERE d.subject_id = w.id AND d.day >= w.since)
-       END AS spent
-FROM windows w
+SELECT b.scope, b.id, b.budget, b.period, coalesce(s.cost_usd, 0) AS spent
+FROM budgets b CROSS JOIN bounds
+LEFT JOIN budget_spend s
+  ON s.scope = b.scope AND s.id = b.id AND s.period = b.period
+ AND s.period_start = CASE b.period WHEN 'day' THEN bounds.today
+                                    WHEN 'month' THEN bounds.month_start
+                                    ELSE '-infinity'::date END
 """
 
 

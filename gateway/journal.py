@@ -47,7 +47,7 @@ _REJECTED_NAME = "rejected.jsonl"
 MAX_SLOTS = 256
 
 
-class JournalBusy(RuntimeError):
+class JournalBusy(OSError):
     """Every journal slot is locked by another live process."""
 
 

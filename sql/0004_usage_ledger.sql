@@ -69,7 +69,7 @@ CREATE INDEX usage_ledger_subject_created_at ON usage_ledger (subject_id, create
 CREATE INDEX usage_ledger_request_id ON usage_ledger (request_id);
 
 -- One row per UTC day, key, subject, requested model and provider: what reports over
--- whole days and the budget spend counters read, so neither scans the ledger.
+-- whole days read, so they do not scan the ledger.
 CREATE TABLE usage_daily
   ( day date NOT NULL
   , api_key_id uuid NOT NULL
@@ -88,7 +88,22 @@ CREATE TABLE usage_daily
 CREATE INDEX usage_daily_key_day ON usage_daily (api_key_id, day);
 CREATE INDEX usage_daily_subject_day ON usage_daily (subject_id, day);
 
--- Kept by the database itself, once per INSERT or COPY statement, from the rows that
+-- Spend per key and per subject for each budget period that has begun (a UTC day, a
+-- UTC month, all time): the budget refresh every replica runs about once a second reads
+-- one row per budget here instead of summing the rollup.
+CREATE TABLE budget_spend
+  ( scope text NOT NULL
+  , id uuid NOT NULL
+  , period text NOT NULL
+  -- The period's first day; -infinity for 'total'.
+  , period_start date NOT NULL
+  , cost_usd numeric(24, 10) NOT NULL
+  , PRIMARY KEY (scope, id, period, period_start)
+  , CONSTRAINT budget_spend_scope_known CHECK (scope IN ('key', 'subject'))
+  , CONSTRAINT budget_spend_period_known CHECK (period IN ('day', 'month', 'total'))
+  );
+
+-- Both tables are kept by the database itself, once per INSERT or COPY statement, from the rows that
 -- statement really inserted (a re-shipped batch conflicts and adds nothing), so the
 -- rollup is exact whoever writes the ledger. Groups are upserted in key order so two
 -- replicas shipping at once lock rollup rows in the same order (no deadlock).
@@ -112,6 +127,23 @@ BEGIN
     completion_tokens = d.completion_tokens + EXCLUDED.completion_tokens,
     cost_usd = d.cost_usd + EXCLUDED.cost_usd,
     cost_diem = d.cost_diem + EXCLUDED.cost_diem;
+
+  INSERT INTO budget_spend AS b (scope, id, period, period_start, cost_usd)
+  SELECT v.scope, v.id, v.period, v.period_start, sum(c.cost_usd)
+  FROM (SELECT (n.created_at AT TIME ZONE 'UTC')::date AS day, n.api_key_id, n.subject_id, n.cost_usd
+        FROM new_rows n WHERE n.cost_usd > 0) c
+  CROSS JOIN LATERAL (VALUES
+    ('key', c.api_key_id, 'day', c.day),
+    ('key', c.api_key_id, 'month', date_trunc('month', c.day)::date),
+    ('key', c.api_key_id, 'total', DATE '-infinity'),
+    ('subject', c.subject_id, 'day', c.day),
+    ('subject', c.subject_id, 'month', date_trunc('month', c.day)::date),
+    ('subject', c.subject_id, 'total', DATE '-infinity')
+  ) AS v (scope, id, period, period_start)
+  GROUP BY 1, 2, 3, 4
+  ORDER BY 1, 2, 3, 4
+  ON CONFLICT (scope, id, period, period_start) DO UPDATE SET
+    cost_usd = b.cost_usd + EXCLUDED.cost_usd;
   RETURN NULL;
 END;
 $$;

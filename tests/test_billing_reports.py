@@ -169,3 +169,17 @@ async def test_budgets_command_sets_lists_and_clears(database_url: str, db_pool:
     assert await db_pool.fetchval("SELECT count(*) FROM subject_budgets WHERE subject_id = $1", uuid.UUID(subject)) == 0
     assert cli(database_url, "budgets", "clear", "--subject", subject).returncode == 1
     assert cli(database_url, "budgets", "set", "--subject", subject, "--usd", "-1").returncode == 2
+
+
+async def test_budget_spend_matches_the_ledger(db_pool: asyncpg.Pool, ledger: dict[str, Any]) -> None:
+    """The per-period spend the budget refresh reads is the ledger's, for keys and subjects."""
+    for scope, column, ident in [("subject", "subject_id", ledger["subject"]), ("key", "api_key_id", ledger["keys"][0])]:
+        for period, bucket in [("day", "(created_at AT TIME ZONE 'UTC')::date"),
+                               ("month", "date_trunc('month', created_at AT TIME ZONE 'UTC')::date"),
+                               ("total", "DATE '-infinity'")]:
+            expected = {r["start"]: r["usd"] for r in await db_pool.fetch(
+                f"SELECT {bucket} AS start, sum(cost_usd) AS usd FROM usage_ledger WHERE {column} = $1 GROUP BY 1", ident)}
+            got = {r["period_start"]: r["cost_usd"] for r in await db_pool.fetch(
+                "SELECT period_start, cost_usd FROM budget_spend WHERE scope = $1 AND id = $2 AND period = $3",
+                scope, ident, period)}
+            assert got == expected, (scope, period)

@@ -1,0 +1,204 @@
+"""How fast usage reports and budget refreshes stay on a large ledger (default 1 million rows).
+
+    python bench/ledger_report.py [--dsn ADMIN_DSN] [--rows 1000000] [--days 90] [--keys 500]
+
+Creates a scratch database (``llmg_bench_ledger_*``, dropped at the end unless
+``--keep``), applies the migrations, fills the ledger with COPY in batches (the rollup
+trigger runs per batch, as it does for shipped batches), then times each report the
+``usage`` command and ``GET /admin/usage`` run, the budget refresh every replica runs once
+a second, and, for comparison, the same report summed from the ledger alone.
+
+Traffic shape: keys used with Zipf-like skew, each key on one to three models of a dozen,
+each model on one provider, spread evenly over ``--days`` days up to now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gateway.budgets import fetch_spend
+from gateway.db import migrate
+from gateway.ledger import LEDGER_COLUMNS, UsageEvent, ship_lines
+from gateway.reports import UsageQuery, usage_report
+
+DEFAULT_DSN = os.environ.get("TEST_PG_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
+MODELS = [f"model-{i}" for i in range(12)]
+PROVIDERS = ["venice", "anthropic", "local"]
+
+
+def with_db(dsn: str, name: str) -> str:
+    base, _, _ = dsn.rpartition("/")
+    return f"{base}/{name}"
+
+
+async def timed(label: str, action: Callable[[], Awaitable[Any]], runs: int = 5) -> float:
+    """Run ``action`` ``runs`` times after one warm-up; print and return the median ms."""
+    await action()
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        await action()
+        samples.append((time.perf_counter() - start) * 1000)
+    median = statistics.median(samples)
+    print(f"  {label:<58} median {median:8.1f} ms   min {min(samples):8.1f} ms")
+    return median
+
+
+async def fill(conn: asyncpg.Connection, rows: int, days: int, n_keys: int, batch: int) -> list[tuple[uuid.UUID, uuid.UUID]]:
+    rng = random.Random(42)
+    subjects = [uuid.uuid4() for _ in range(max(1, n_keys // 10))]
+    keys = [(uuid.uuid4(), rng.choice(subjects)) for _ in range(n_keys)]
+    await conn.copy_records_to_table(
+        "api_keys",
+        records=[(k, s, f"bench-{i}", f"llmg_b{i:06d}", os.urandom(32)) for i, (k, s) in enumerate(keys)],
+        columns=["api_key_id", "subject_id", "name", "key_prefix", "key_hash"],
+    )
+    home_models = {k: rng.sample(MODELS, rng.randint(1, 3)) for k, _ in keys}
+    weights = [1 / (i + 1) for i in range(n_keys)]  # Zipf-like: a few keys do most calls
+    now = datetime.now(timezone.utc).timestamp()
+    span = days * 86400
+    start = time.perf_counter()
+    for done in range(0, rows, batch):
+        chosen = rng.choices(keys, weights=weights, k=min(batch, rows - done))
+        records = []
+        for key, subject in chosen:
+            model = rng.choice(home_models[key])
+            provider = PROVIDERS[MODELS.index(model) % len(PROVIDERS)]
+            prompt, completion = rng.randint(5, 2000), rng.randint(0, 1500)
+            created = datetime.fromtimestamp(now - rng.random() * span, timezone.utc)
+            records.append((
+                uuid.uuid4(), uuid.uuid4().hex, None, key, subject, model, model, provider,
+                f"{provider}/{model}", prompt, completion, False,
+                Decimal(prompt * 3 + completion * 15) / 1_000_000, None, "price", 0.5, None,
+                200 if rng.random() > 0.02 else 502, "ok", rng.random() < 0.6, 0, 0, None, "stop", created,
+            ))
+        await conn.copy_records_to_table("usage_ledger", records=records, columns=list(LEDGER_COLUMNS))
+        print(f"\r  filled {done + len(records):>9,} rows", end="", flush=True)
+    elapsed = time.perf_counter() - start
+    print(f"\r  filled {rows:,} rows in {elapsed:.1f} s ({rows / elapsed:,.0f} rows/s, COPY + indexes + rollup trigger)")
+    return keys
+
+
+async def ship_throughput(conn: asyncpg.Connection, keys: list[tuple[uuid.UUID, uuid.UUID]], batches: int, size: int) -> None:
+    """The path the BillingActor really uses: journal lines → one INSERT per batch."""
+    rng = random.Random(1)
+    now = time.time()
+    lines_batches = []
+    for _ in range(batches):
+        lines = []
+        for _ in range(size):
+            key, subject = rng.choice(keys)
+            lines.append(UsageEvent(
+                call_id=uuid.uuid4(), request_id=uuid.uuid4().hex, response_id="chatcmpl-x", api_key_id=key,
+                subject_id=subject, requested_model="model-1", served_model="model-1", provider="venice",
+                deployment="venice/model-1", prompt_tokens=100, completion_tokens=200, usage_estimated=False,
+                cost_usd=0.0012, cost_diem=None, cost_source="price", latency_seconds=0.4, ttft_seconds=0.1,
+                status=200, outcome="ok", streamed=True, retries=0, failovers=0, error_type=None,
+                finish_reason="stop", created_at=now,
+            ).to_line())
+        lines_batches.append(lines)
+    start = time.perf_counter()
+    for lines in lines_batches:
+        await ship_lines(conn, lines)
+    elapsed = time.perf_counter() - start
+    total = batches * size
+    print(f"  shipped {total:,} events in {batches} batches of {size}: {elapsed * 1000 / batches:.1f} ms per batch, "
+          f"{total / elapsed:,.0f} events/s")
+    start = time.perf_counter()
+    again = sum([await ship_lines(conn, lines) for lines in lines_batches])
+    print(f"  re-shipping the same batches (crash recovery): {again} inserted, "
+          f"{(time.perf_counter() - start) * 1000 / batches:.1f} ms per batch")
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dsn", default=DEFAULT_DSN, help="a superuser DSN (a scratch database is created)")
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--days", type=int, default=90)
+    parser.add_argument("--keys", type=int, default=500)
+    parser.add_argument("--batch", type=int, default=50_000)
+    parser.add_argument("--keep", action="store_true", help="keep the scratch database")
+    parser.add_argument("--reuse", metavar="NAME", help="time an existing (kept) database; no fill, no drop")
+    args = parser.parse_args()
+
+    name = args.reuse or f"llmg_bench_ledger_{uuid.uuid4().hex[:8]}"
+    admin = await asyncpg.connect(args.dsn)
+    if args.reuse:
+        args.keep = True
+    else:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+    print(f"{'reusing' if args.reuse else 'scratch'} database {name}")
+    try:
+        conn = await asyncpg.connect(with_db(args.dsn, name))
+        try:
+            if args.reuse:
+                keys = [(r["api_key_id"], r["subject_id"]) for r in await conn.fetch(
+                    "SELECT api_key_id, subject_id FROM api_keys ORDER BY name")]
+            else:
+                await migrate(conn)
+                keys = await fill(conn, args.rows, args.days, args.keys, args.batch)
+                await conn.execute("ANALYZE")
+            ledger_rows = await conn.fetchval("SELECT count(*) FROM usage_ledger")
+            daily_rows = await conn.fetchval("SELECT count(*) FROM usage_daily")
+            size = await conn.fetchval("SELECT pg_size_pretty(pg_total_relation_size('usage_ledger'))")
+            print(f"  ledger {ledger_rows:,} rows ({size}), rollup {daily_rows:,} rows")
+
+            now = datetime.now(timezone.utc)
+            odd = timedelta(hours=7, minutes=13)  # not midnight: the edges come from the ledger
+            top_key = keys[0][0]
+            print("reports (gateway.reports.usage_report):")
+            for label, query in [
+                ("group by key, all time", UsageQuery(group_by="key")),
+                ("group by model, all time", UsageQuery(group_by="model")),
+                ("group by day, all time", UsageQuery(group_by="day")),
+                ("group by key, last 30 days (unaligned edges)", UsageQuery(group_by="key", since=now - timedelta(days=30) + odd, until=now)),
+                ("group by model, last 7 days (unaligned edges)", UsageQuery(group_by="model", since=now - timedelta(days=7) + odd, until=now)),
+                ("group by day, one busy key, all time", UsageQuery(group_by="day", api_key_id=top_key)),
+                ("group by model, inside one day (ledger only)", UsageQuery(group_by="model", since=now - timedelta(hours=20), until=now - timedelta(hours=2))),
+            ]:
+                await timed(label, lambda q=query: usage_report(conn, q))
+            print("for comparison, the same from the ledger alone:")
+            await timed("group by key, all time, ledger scan", lambda: conn.fetch(
+                "SELECT api_key_id, count(*), sum(prompt_tokens), sum(completion_tokens), sum(cost_usd) FROM usage_ledger GROUP BY 1"))
+            await timed("group by key, last 30 days, ledger scan", lambda: conn.fetch(
+                "SELECT api_key_id, count(*), sum(cost_usd) FROM usage_ledger WHERE created_at >= $1 GROUP BY 1",
+                now - timedelta(days=30) + odd))
+
+            print("budget refresh (every replica, about once a second):")
+            await conn.execute("UPDATE api_keys SET budget_usd = 100, budget_period = (ARRAY['day','month','total'])[1 + (abs(hashtext(name)) % 3)]")
+            await conn.execute(
+                "INSERT INTO subject_budgets (subject_id, budget_usd, budget_period) SELECT DISTINCT subject_id, 500, 'month' FROM api_keys"
+                " ON CONFLICT DO NOTHING")
+            budgeted = await conn.fetchval("SELECT count(*) FROM api_keys WHERE budget_usd IS NOT NULL")
+            subjects = await conn.fetchval("SELECT count(*) FROM subject_budgets")
+            await timed(f"fetch_spend: {budgeted} budgeted keys + {subjects} subjects", lambda: fetch_spend(conn))
+
+            print("shipping (gateway.ledger.ship_lines, the BillingActor's batch insert):")
+            await ship_throughput(conn, keys, batches=20, size=500)
+            await ship_throughput(conn, keys, batches=4, size=5000)
+        finally:
+            await conn.close()
+    finally:
+        if not args.keep:
+            await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
