@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -476,12 +477,12 @@ class BillingHandle:
         budget = policy.budget_usd
         if budget is not None and self._key_spent.get(key.api_key_id, 0.0) >= budget:
             raise BudgetExceeded(
-                f"this key's budget of {budget} USD {_per(policy.budget_period)} is spent"
+                f"this key's budget of {_usd(budget)} USD {_per(policy.budget_period)} is spent"
             )
         subject_budget = self._subject_budgets.get(key.subject_id)
         if subject_budget is not None and self._subject_spent.get(key.subject_id, 0.0) >= subject_budget[0]:
             raise BudgetExceeded(
-                f"the budget of this key's subject ({subject_budget[0]:g} USD {_per(subject_budget[1])}) is spent"
+                f"the budget of this key's subject ({_usd(subject_budget[0])} USD {_per(subject_budget[1])}) is spent"
             )
 
     async def flush(self, timeout: float = 10.0) -> bool:
@@ -504,6 +505,12 @@ class BillingHandle:
     @property
     def ref(self) -> ActorRef[Any]:
         return self._ref
+
+
+def _usd(amount: Decimal | float) -> str:
+    """An amount as people write it: 0.05, 25, 12.5 (no exponent, no trailing zeros)."""
+    text = f"{Decimal(str(amount)):f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
 
 
 def _per(period: str | None) -> str:

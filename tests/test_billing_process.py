@@ -186,7 +186,7 @@ async def test_a_spent_budget_answers_402_on_every_replica(
         async with session.post(f"{b.url}/v1/chat/completions", json=chat_body(), headers=auth(raw)) as resp:
             assert resp.status == 402
             assert await resp.json() == {"error": {
-                "message": "this key's budget of 0.050000 USD per day is spent",
+                "message": "this key's budget of 0.05 USD per day is spent",
                 "type": "insufficient_quota", "code": "budget_exceeded",
             }}
     spent = await db_pool.fetchval("SELECT sum(cost_usd) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id)
