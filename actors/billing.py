@@ -70,9 +70,13 @@ _DATA_ERRORS = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
 # -- messages ----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Record:
-    """One finished call (tell): journaled, counted, logged, shipped later."""
+    """One finished call (tell): journaled, counted, logged, shipped later.
 
-    event: UsageEvent
+    Carries the call's record itself (no longer changed once listeners see it), so
+    turning it into a ledger event costs the actor, not the response.
+    """
+
+    call: CallRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +215,7 @@ class BillingActor(Actor[Record | Flush | Spend]):
     # -- messages -----------------------------------------------------------------------
     async def receive(self, msg: Record | Flush | Spend) -> Any:
         if isinstance(msg, Record):
-            self.ingest(msg.event)
+            self.ingest(UsageEvent.from_call(msg.call))
             return None
         if isinstance(msg, Flush):
             fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -253,6 +257,9 @@ class BillingActor(Actor[Record | Flush | Spend]):
                 await journal.commit()
             except OSError as exc:
                 log.error("billing journal: commit failed (%s); %d event(s) wait in memory", exc, journal.buffered)
+                await asyncio.sleep(0.5)
+            except Exception:  # a bug must not stop durability: the next round retries
+                log.exception("billing journal: commit error")
                 await asyncio.sleep(0.5)
             if self._stopping:
                 return
@@ -452,19 +459,14 @@ class BillingHandle:
     def record(self, call: CallRecord) -> None:
         """Call listener: one event per finished call. Never waits, never raises."""
         try:
-            event = UsageEvent.from_call(call)
-        except Exception:
-            log.exception("billing: cannot make an event of call %s", call.request_id)
-            return
-        try:
-            self._ref.tell(Record(event))
+            self._ref.tell(Record(call))
         except (MailboxFull, ActorStopped):
             # Never dropped: straight into the journal (an in-memory append, no await).
             self._actor.overflowed += 1
             try:
-                self._actor.ingest(event)
+                self._actor.ingest(UsageEvent.from_call(call))
             except Exception:
-                log.exception("billing: LOST event %s (call %s)", event.call_id, event.request_id)
+                log.exception("billing: LOST the event of call %s (%s)", call.call_id, call.request_id)
 
     def check_budget(self, key: VerifiedKey) -> None:
         """Raise BudgetExceeded if the key's or its subject's budget is spent.
