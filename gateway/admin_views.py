@@ -3,9 +3,8 @@
 The shapes are fixed here (and in :mod:`gateway.openapi`); the data sources are two
 functions, each the single place to wire the real thing:
 
-* :func:`usage_rows`: rows of the ledger report. Until the ledger and its report
-  queries exist it answers no rows, so ``/admin/usage`` answers an empty report
-  (never a 501).
+* :func:`usage_rows`: rows of the ledger report (:mod:`gateway.reports`, the same
+  query ``llm-gateway usage`` runs).
 * :func:`deployment_health`: breaker state, recent latency and error rate per
   deployment. Until the breakers exist every deployment shows ``"unknown"`` and nulls.
 
@@ -23,6 +22,8 @@ from yarl import URL
 
 from gateway.admin_input import UsageQuery
 from gateway.config import Deployment
+from gateway.reports import UsageQuery as ReportQuery
+from gateway.reports import usage_report
 from gateway.state import GatewayState
 
 __all__ = ["DeploymentHealth", "UsageRow", "deployment_health", "providers_view", "usage_rows", "usage_view"]
@@ -55,13 +56,20 @@ class UsageRow:
 async def usage_rows(state: GatewayState, query: UsageQuery) -> list[UsageRow]:
     """The ledger's totals per group for the query's range and key.
 
-    WIRING POINT (ledger): replace this body with the report query of the billing work
-    (``gateway/reports.py``), mapping its rows to :class:`UsageRow`; group by
-    ``query.group_by`` (``key``: api_key_id, ``model``: requested model, ``day``: UTC
-    date), over ``[query.since, query.until)``, filtered by ``query.api_key_id``.
-    Until then there is no ledger, so there is no usage: an empty report.
+    Grouped by ``query.group_by`` (``key``: api_key_id, ``model``: requested model,
+    ``day``: UTC date), over ``[query.since, query.until)``, filtered by
+    ``query.api_key_id``: the report of :mod:`gateway.reports`, shared with the CLI.
     """
-    return []
+    report = await usage_report(state.pool, ReportQuery(
+        group_by=query.group_by, since=query.since, until=query.until, api_key_id=query.api_key_id,
+    ))
+    return [
+        UsageRow(
+            group=r.group, requests=r.requests, input_tokens=r.prompt_tokens,
+            output_tokens=r.completion_tokens, cost_usd=float(r.cost_usd),
+        )
+        for r in report.rows
+    ]
 
 
 async def usage_view(state: GatewayState, query: UsageQuery) -> dict[str, Any]:

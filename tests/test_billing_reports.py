@@ -183,3 +183,27 @@ async def test_budget_spend_matches_the_ledger(db_pool: asyncpg.Pool, ledger: di
                 "SELECT period_start, cost_usd FROM budget_spend WHERE scope = $1 AND id = $2 AND period = $3",
                 scope, ident, period)}
             assert got == expected, (scope, period)
+
+
+async def test_admin_usage_route_answers_the_same_report(
+    gateway_factory: Any, fake: Any, db_pool: asyncpg.Pool, ledger: dict[str, Any]
+) -> None:
+    from tests.conftest import config_for
+
+    gw = await gateway_factory(env={"ADMIN_TOKEN": "t" * 32}, config_yaml=config_for(fake.url))
+    key = ledger["keys"][0]
+    params = {"group_by": "day", "since": "2026-03-01T12:00:00", "until": "2026-03-04", "api_key_id": str(key)}
+    resp = await gw.management.get("/admin/usage", params=params, headers={"Authorization": "Bearer " + "t" * 32})
+    assert resp.status == 200, await resp.text()
+    body = await resp.json()
+    expected = await db_pool.fetch(
+        """SELECT ((created_at AT TIME ZONE 'UTC')::date)::text AS day, count(*) AS n,
+                  sum(prompt_tokens) AS p, sum(completion_tokens) AS c, sum(cost_usd) AS u
+           FROM usage_ledger WHERE api_key_id = $1 AND created_at >= $2 AND created_at < $3 GROUP BY 1 ORDER BY 1""",
+        key, datetime(2026, 3, 1, 12, tzinfo=timezone.utc), datetime(2026, 3, 4, tzinfo=timezone.utc),
+    )
+    assert [(r["group"], r["requests"], r["input_tokens"], r["output_tokens"]) for r in body["data"]] == [
+        (r["day"], r["n"], r["p"], r["c"]) for r in expected
+    ]
+    assert body["totals"]["requests"] == sum(r["n"] for r in expected)
+    assert body["totals"]["cost_usd"] == pytest.approx(float(sum(r["u"] for r in expected)), abs=1e-6)
