@@ -35,7 +35,6 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
-import orjson
 
 from actors.runtime import Actor, ActorRef, ActorStopped, MailboxFull
 from gateway.budgets import fetch_spend
@@ -424,9 +423,9 @@ def _replace(target: dict[uuid.UUID, float], base: dict[uuid.UUID, float], extra
 
 
 def _log_billing(event: UsageEvent) -> None:
-    """The per-call billing line (seed 000): key id, request id, cost; JSON."""
+    """The per-call billing line (seed 000): key id, request id, cost, as structured
+    fields (one JSON object per line with ``LOG_FORMAT=json``, see gateway/logs.py)."""
     payload = {
-        "event": "billing",
         "api_key_id": str(event.api_key_id),
         "subject_id": str(event.subject_id),
         "request_id": event.request_id,
@@ -441,7 +440,7 @@ def _log_billing(event: UsageEvent) -> None:
         "cost_source": event.cost_source,
         "status": event.status,
     }
-    log.info(orjson.dumps(payload).decode(), extra={"billing": payload})
+    log.info("billing", extra={"fields": payload})
 
 
 class BillingHandle:

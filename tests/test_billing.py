@@ -275,9 +275,35 @@ async def test_one_billing_log_line_per_call(
     with caplog.at_level(logging.INFO, logger="gateway.billing"):
         await (await priced.data.post("/v1/chat/completions", json=chat_body(), headers={**auth(api_key), "x-request-id": request_id})).read()
         assert await priced.state.billing.flush()
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "gateway.billing" and request_id in r.getMessage()]
+    lines = [
+        r.fields for r in caplog.records  # type: ignore[attr-defined]
+        if r.name == "gateway.billing" and r.getMessage() == "billing" and r.fields["request_id"] == request_id  # type: ignore[attr-defined]
+    ]
     assert len(lines) == 1
     line = lines[0]
-    assert line["event"] == "billing" and line["request_id"] == request_id
+    assert line["request_id"] == request_id
     assert uuid.UUID(line["api_key_id"]) and line["cost_usd"] > 0 and line["response_id"].startswith("chatcmpl")
     assert api_key not in json.dumps(line)
+
+
+async def test_metrics_show_the_billing_backlog_and_the_unpriced_calls(
+    gateway_factory: Any, fake: FakeUpstream, api_key: str
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    gw = await gateway_factory(env={"BILLING_SHIP_INTERVAL_SECONDS": "3600"}, config_yaml=priced_config(fake.url, priced=False))
+
+    async def sample(name: str, **labels: str) -> float:
+        text = await (await gw.management.get("/metrics")).text()
+        return sum(
+            s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name and labels.items() <= s.labels.items()
+        )
+
+    for _ in range(3):
+        assert (await gw.data.post("/v1/chat/completions", json=chat_body(model="no-price"), headers=auth(api_key))).status == 200
+    await asyncio.sleep(0.01)  # the actor takes the three events in
+    assert await sample("gateway_billing_pending_events") == 3
+    assert await sample("gateway_unpriced_calls_total", model="no-price") == 3
+    assert await gw.state.billing.flush()
+    assert await sample("gateway_billing_pending_events") == 0
