@@ -100,8 +100,9 @@ def _time(name: str) -> Callable[[str], datetime]:
     def parse(text: str) -> datetime:
         try:
             return parse_time(text, name)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+        except ValueError:
+            # argparse names the option itself.
+            raise argparse.ArgumentTypeError(f"expected an ISO 8601 date or date-time, got {text!r}") from None
 
     return parse
 
