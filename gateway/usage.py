@@ -185,6 +185,11 @@ class CallRecord:
     trace_headers: Mapping[str, str] = field(default_factory=lambda: _NO_HEADERS)
     #: The completion text, kept only when CAPTURE_GENAI_CONTENT=true (for span events).
     completion: str | None = None
+    #: Response cache: "hit" (answered from the cache: no provider call, cost 0),
+    #: "miss" (looked up, called the provider), "bypass" (not cacheable), None (cache off).
+    cache: str | None = None
+    #: Cosine similarity of a semantic hit (None for exact hits and everything else).
+    cache_similarity: float | None = None
 
 
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
