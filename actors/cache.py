@@ -395,6 +395,7 @@ class CacheActor(Actor[CacheMessage]):
 
     async def _subscribe_forever(self) -> None:
         assert self.redis is not None
+        warned = False
         while True:
             pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
@@ -402,6 +403,9 @@ class CacheActor(Actor[CacheMessage]):
                 keys = await self._scan_remote()
                 if keys is not None:
                     self.post_internal(_Synced(keys))
+                if warned:
+                    log.info("cache: Redis subscription is back")
+                    warned = False
                 while True:
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
                     if message is not None and message.get("type") == "message":
@@ -409,7 +413,9 @@ class CacheActor(Actor[CacheMessage]):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure: resubscribe, ask Redis meanwhile
-                log.warning("cache: Redis subscription lost (%r); lookups ask Redis until it is back", exc)
+                if not warned:  # once per outage, not once per retry
+                    log.warning("cache: Redis subscription lost (%r); lookups ask Redis until it is back", exc)
+                    warned = True
                 self.post_internal(_Synced(None))
             finally:
                 with contextlib.suppress(Exception):
