@@ -70,6 +70,10 @@ REDIS_TIMEOUT = 0.25
 REDIS_BACKOFF = 1.0
 #: Keys known to exist in Redis at most; past it every lookup asks Redis instead.
 MAX_REMOTE_KEYS = 1_000_000
+#: Stores waiting to be shared at most; past it the oldest are kept in memory only.
+MAX_OUTBOX = 10_000
+#: Connections to Redis at most; a request waits for one up to REDIS_TIMEOUT.
+MAX_REDIS_CONNECTIONS = 64
 
 
 # -- messages ----------------------------------------------------------------------------
@@ -131,6 +135,7 @@ class _RemotePurged:
 @dataclass(frozen=True, slots=True)
 class _RemoteStored:
     error: BaseException | None
+    count: int
 
 
 @dataclass(slots=True)
@@ -181,6 +186,9 @@ class CacheActor(Actor[CacheMessage]):
         self.remote_view: Mapping[str, float] = MappingProxyType(self._remote)
         self.remote_synced = False
         self._tasks_started: list[asyncio.Task[None]] = []
+        #: Stores not yet shared: one writer sends them all in one pipeline (see _flush).
+        self._outbox: list[Store] = []
+        self._flushing = False
 
     # -- published read-only state -------------------------------------------------------
     def semantic_snapshot(self, partition: str) -> Any:
@@ -200,9 +208,11 @@ class CacheActor(Actor[CacheMessage]):
     async def on_start(self) -> None:
         loop = asyncio.get_running_loop()
         if self._redis_url:
-            self.redis = aioredis.Redis.from_url(
-                self._redis_url, socket_timeout=2.0, socket_connect_timeout=1.0, health_check_interval=15
+            pool = aioredis.BlockingConnectionPool.from_url(
+                self._redis_url, max_connections=MAX_REDIS_CONNECTIONS, timeout=REDIS_TIMEOUT,
+                socket_timeout=2.0, socket_connect_timeout=1.0, health_check_interval=15,
             )
+            self.redis = aioredis.Redis(connection_pool=pool)
             self._tasks_started.append(loop.create_task(self._subscribe_forever()))
         self._tasks_started.append(loop.create_task(self._sweep_forever()))
 
@@ -243,9 +253,12 @@ class CacheActor(Actor[CacheMessage]):
                 msg.reply.set_result({"memory": msg.memory, "shared": msg.shared if msg.shared is not None else -1})
         elif msg == "sweep":
             self._sweep()
-        elif isinstance(msg, _RemoteStored) and msg.error is not None:
-            self.counters.remote_errors += 1
-            log.warning("cache: could not share an entry through Redis: %r", msg.error)
+        elif isinstance(msg, _RemoteStored):
+            self._flushing = False
+            if msg.error is not None:
+                self.counters.remote_errors += 1
+                log.warning("cache: could not share %d entries through Redis: %r", msg.count, msg.error)
+            self._flush()
 
     # -- stores, evictions, purges ---------------------------------------------------------
     def _store(self, msg: Store) -> None:
@@ -256,7 +269,19 @@ class CacheActor(Actor[CacheMessage]):
             self._index.add(entry.key, msg.partition, msg.vector, msg.guard, entry.expires_at)
         if self.redis is not None:
             self._remote[entry.key] = entry.expires_at
-            self.spawn(self._remote_store(msg), lambda _r, err: _RemoteStored(err))
+            self._outbox.append(msg)
+            if len(self._outbox) > MAX_OUTBOX:
+                del self._outbox[0]
+                self.counters.stores_dropped += 1
+            self._flush()
+
+    def _flush(self) -> None:
+        """Share what waits in one pipeline; stores arriving meanwhile wait for the next."""
+        if self._flushing or not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        self._flushing = True
+        self.spawn(self._remote_store(batch), lambda _r, err: _RemoteStored(err, len(batch)))
 
     def _evicted(self, keys: list[str]) -> None:
         self.counters.evictions += len(keys)
@@ -321,24 +346,28 @@ class CacheActor(Actor[CacheMessage]):
             self._remote.clear()
 
     # -- Redis (run as tasks; results come back as internal messages) ----------------------
-    async def _remote_store(self, msg: Store) -> None:
+    async def _remote_store(self, batch: list[Store]) -> None:
         assert self.redis is not None
-        entry = msg.entry
-        ttl_ms = max(1, int((entry.expires_at - time.time()) * 1000))
-        announce: dict[str, Any] = {
-            "op": "stored", "src": self._instance, "key": entry.key, "exp": entry.expires_at,
-        }
-        if msg.partition is not None and msg.vector is not None and msg.guard is not None:
-            announce.update(p=msg.partition, g=msg.guard.to_json(),
-                            vec=base64.b64encode(vector_to_bytes(msg.vector)).decode())
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.entry_key(entry.key), encode_entry(entry), px=ttl_ms)
-        for tag in (f"{self._prefix}:subject:{entry.subject}", f"{self._prefix}:group:{entry.group}"):
-            pipe.sadd(tag, entry.key)
-            # A tag set lives as long as its longest-lived entry (NX for a new set, GT after).
-            pipe.pexpire(tag, ttl_ms, nx=True)
-            pipe.pexpire(tag, ttl_ms, gt=True)
-        pipe.publish(self._channel, orjson.dumps(announce))
+        now = time.time()
+        for msg in batch:
+            entry = msg.entry
+            ttl_ms = int((entry.expires_at - now) * 1000)
+            if ttl_ms <= 0:
+                continue
+            announce: dict[str, Any] = {
+                "op": "stored", "src": self._instance, "key": entry.key, "exp": entry.expires_at,
+            }
+            if msg.partition is not None and msg.vector is not None and msg.guard is not None:
+                announce.update(p=msg.partition, g=msg.guard.to_json(),
+                                vec=base64.b64encode(vector_to_bytes(msg.vector)).decode())
+            pipe.set(self.entry_key(entry.key), encode_entry(entry), px=ttl_ms)
+            for tag in (f"{self._prefix}:subject:{entry.subject}", f"{self._prefix}:group:{entry.group}"):
+                pipe.sadd(tag, entry.key)
+                # A tag set lives as long as its longest-lived entry (NX for a new set, GT after).
+                pipe.pexpire(tag, ttl_ms, nx=True)
+                pipe.pexpire(tag, ttl_ms, gt=True)
+            pipe.publish(self._channel, orjson.dumps(announce))
         await pipe.execute()
 
     async def _remote_purge(self, msg: Purge) -> int:
