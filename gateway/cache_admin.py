@@ -7,14 +7,14 @@
   (every replica drops them from memory through the announcement channel). Answers
   ``{"purged": {"memory": n, "shared": m}}`` (``shared`` is -1 when Redis failed).
 
-Both need ``Authorization: Bearer $ADMIN_TOKEN``, compared in constant time; with no
-token configured they answer 403 "admin API disabled".
+Both sit under ``/admin/``, so :func:`gateway.admin.admin_guard` asks for
+``Authorization: Bearer $ADMIN_TOKEN`` first (403 "admin API disabled" with no token
+set, 401 for a wrong one); every parameter is checked (400 ``invalid_query``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
+import re
 import uuid
 
 import orjson
@@ -23,23 +23,13 @@ from aiohttp import web
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.state import STATE
 
-__all__ = ["add_routes"]
+__all__ = ["PURGE_SELECTORS", "add_routes"]
 
-_SELECTORS = ("key", "subject", "group", "all")
-
-
-class _AdminDisabled(GatewayError):
-    status = 403
-    type = "permission_error"
-    code = "admin_disabled"
-    default_message = "admin API disabled"
-
-
-class _AdminUnauthorized(GatewayError):
-    status = 401
-    type = "authentication_error"
-    code = "invalid_admin_token"
-    default_message = "invalid admin token"
+#: The query parameters of a purge, for the handler and the OpenAPI document.
+PURGE_SELECTORS = ("key", "subject", "group", "all")
+KEY_PATTERN = "^[0-9a-f]{32}$"
+MAX_GROUP_LEN = 256
+_KEY = re.compile(KEY_PATTERN)
 
 
 class _CacheUnavailable(GatewayError):
@@ -49,20 +39,8 @@ class _CacheUnavailable(GatewayError):
     default_message = "the response cache is not running"
 
 
-def _require_admin(request: web.Request) -> None:
-    """The contract's admin check (the admin module's guard does the same for every route)."""
-    token = request.app[STATE].settings.admin_token
-    if not token:
-        raise _AdminDisabled()
-    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not presented.strip():
-        raise _AdminUnauthorized()
-    # Compare digests: constant time whatever the presented token's length.
-    if not hmac.compare_digest(
-        hashlib.sha256(presented.strip().encode("utf-8", "surrogatepass")).digest(),
-        hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest(),
-    ):
-        raise _AdminUnauthorized()
+def _bad(message: str) -> InvalidRequest:
+    return InvalidRequest(message, code="invalid_query")
 
 
 def _json(obj: object, status: int = 200) -> web.Response:
@@ -70,7 +48,9 @@ def _json(obj: object, status: int = 200) -> web.Response:
 
 
 async def cache_stats(request: web.Request) -> web.Response:
-    _require_admin(request)
+    """``GET /admin/cache``: sizes, counters and policies."""
+    if request.query:
+        raise _bad(f"unknown query parameter '{next(iter(request.query))}'")
     cache = request.app[STATE].cache
     if cache is None:
         raise _CacheUnavailable()
@@ -78,28 +58,35 @@ async def cache_stats(request: web.Request) -> web.Response:
 
 
 async def cache_purge(request: web.Request) -> web.Response:
-    _require_admin(request)
+    """``DELETE /admin/cache?key=|subject=|group=|all=true``: forget entries everywhere."""
     cache = request.app[STATE].cache
     if cache is None:
         raise _CacheUnavailable()
     query = request.query
-    unknown = sorted(set(query) - set(_SELECTORS))
-    if unknown:
-        raise InvalidRequest(f"unknown parameter {unknown[0]!r} (allowed: {', '.join(_SELECTORS)})")
-    everything = query.get("all", "").lower() == "true"
-    key, subject, group = query.get("key"), query.get("subject"), query.get("group")
-    if not (everything or key or subject or group):
-        raise InvalidRequest("say what to purge: key=, subject=, group= or all=true")
-    if everything and (key or subject or group):
-        raise InvalidRequest("all=true cannot be combined with another selector")
-    if key is not None and (subject or group):
-        raise InvalidRequest("key= names one entry: do not combine it with subject= or group=")
+    for name in query:
+        if name not in PURGE_SELECTORS:
+            raise _bad(f"unknown query parameter '{name}' (allowed: {', '.join(PURGE_SELECTORS)})")
+        if len(query.getall(name)) > 1:
+            raise _bad(f"query parameter '{name}' given twice")
+    key, subject, group, everything = query.get("key"), query.get("subject"), query.get("group"), query.get("all")
+    if key is not None and not _KEY.match(key):
+        raise _bad("query parameter 'key' must be an x-gateway-cache-key (32 hex digits)")
     if subject is not None:
         try:
             subject = str(uuid.UUID(subject))
         except ValueError:
-            raise InvalidRequest("subject must be a UUID") from None
-    purged = await cache.purge(key=key, subject=subject, group=group, everything=everything)
+            raise _bad("query parameter 'subject' must be a UUID") from None
+    if group is not None and not 0 < len(group) <= MAX_GROUP_LEN:
+        raise _bad(f"query parameter 'group' must be a model group name of 1 to {MAX_GROUP_LEN} characters")
+    if everything is not None and everything != "true":
+        raise _bad("query parameter 'all' must be 'true'")
+    if key is None and subject is None and group is None and everything is None:
+        raise _bad("say what to purge: key=, subject=, group= or all=true")
+    if everything is not None and (key or subject or group):
+        raise _bad("all=true cannot be combined with another selector")
+    if key is not None and (subject or group):
+        raise _bad("key= names one entry: do not combine it with subject= or group=")
+    purged = await cache.purge(key=key, subject=subject, group=group, everything=everything is not None)
     return _json({"purged": purged})
 
 

@@ -451,6 +451,7 @@ async def test_admin_cache_shows_size_and_purges_by_key_subject_and_group(
     assert (await resp.json())["purged"]["memory"] == 1
     assert (await (await gw.management.get("/admin/cache", headers=admin)).json())["entries"] == 0
 
-    for bad in ("", "?subject=not-a-uuid", "?all=true&group=x", "?colour=red", "?key=k&group=g"):
+    for bad in ("", "?subject=not-a-uuid", "?all=true&group=x", "?colour=red", "?key=k", "?all=false",
+                "?group=", f"?key={first.headers['x-gateway-cache-key']}&group=g", "?group=a&group=b"):
         resp = await gw.management.delete(f"/admin/cache{bad}", headers=admin)
         assert resp.status == 400, bad
