@@ -18,9 +18,10 @@ from aiohttp import web
 from actors.auth import AuthActor, AuthHandle
 from actors.billing import BillingActor, BillingHandle
 from actors.breaker import BreakerActor, BreakerHandle
+from actors.cache import start_cache
 from actors.limiter import LimiterActor, LimiterHandle
 from actors.runtime import Supervisor
-from gateway import admin, chat, dataplane, openapi, ratelimit, telemetry
+from gateway import admin, cache_admin, chat, dataplane, openapi, ratelimit, telemetry
 from gateway.config import ConfigError, GatewayConfig, Settings
 from gateway.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
 from gateway.db import connect_pool, migrate
@@ -70,6 +71,7 @@ async def gateway_state(
     pool = await connect_pool(dsn)
     session: aiohttp.ClientSession | None = None
     supervisor = Supervisor()
+    embedder = None
     try:
         if run_migrations:
             async with pool.acquire() as conn:
@@ -86,6 +88,8 @@ async def gateway_state(
         limiter_actor = LimiterActor(config.rate_limits, redis_url=settings.redis_url, pool=pool)
         limiter_ref = await supervisor.start(limiter_actor)
         providers = _providers(config, session, settings)
+        router = Router(config)
+        cache, embedder = await start_cache(supervisor, config, settings.redis_url, providers, router)
         state = GatewayState(
             settings=settings,
             config=config,
@@ -95,7 +99,7 @@ async def gateway_state(
             auth=AuthHandle(auth_actor, auth_ref),
             billing=billing,
             keys=KeyStore(pool),
-            router=Router(config),
+            router=router,
             providers=providers,
             session=session,
             retry_policy=RetryPolicy(max_retries=settings.upstream_max_retries),
@@ -103,6 +107,7 @@ async def gateway_state(
             tracing=tracing,
             limiter=LimiterHandle(limiter_actor, limiter_ref),
             call_listeners=[billing.record],
+            cache=cache,
         )
         # Last, so the metrics listener runs after billing's (which may price the call).
         telemetry.install(state)
@@ -110,6 +115,8 @@ async def gateway_state(
     finally:
         await supervisor.stop()
         await tracing.shutdown()
+        if embedder is not None:
+            embedder.close()
         if session is not None:
             await session.close()
         await pool.close()
@@ -151,7 +158,7 @@ def build_management_app(
     settings = state.settings
     # No origin unless MANAGEMENT_CORS_ORIGINS lists it ('*' is refused by load_settings).
     cors = CorsPolicy(
-        settings.management_cors_origins, allow_methods=("GET", "POST", "PATCH"),
+        settings.management_cors_origins, allow_methods=("GET", "POST", "PATCH", "DELETE"),
         allow_headers=MANAGEMENT_REQUEST_HEADERS, expose_headers=("x-request-id",),
     )
     app = web.Application(
@@ -167,4 +174,5 @@ def build_management_app(
     app.router.add_get("/metrics", metrics_handler or telemetry.metrics_endpoint)
     app.router.add_get("/openapi.json", openapi.document_handler(openapi.management_document()))
     admin.add_admin_routes(app.router)
+    cache_admin.add_routes(app)
     return app

@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from gateway import fake_llm, telemetry
+from gateway.cache import CacheTicket, replay
 from gateway.dispatch import dispatch
 from gateway.errors import (
     GatewayError,
@@ -103,6 +104,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     model, stream = parse_chat_body(body)
     route = state.router.resolve(model, key.policy.allowed_models)
     state.billing.check_budget(key)  # 402 from in-memory counters: no hop, no database trip
+    cache = None if state.cache is None else state.cache.ticket(
+        route.group.name, model, body, key.api_key_id, key.subject_id, request.headers
+    )
     record = CallRecord(
         request_id=request_id_of(request),
         api_key_id=key.api_key_id,
@@ -114,9 +118,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     started = time.monotonic()
     observed = telemetry.begin_call(request, record, body)
     try:
+        if cache is not None and (hit := await cache.lookup()) is not None:
+            return await replay(request, hit, cache, body, record, _SSE_HEADERS)
         if stream:
-            return await _stream(request, state, route, body, record, started)
-        return await _whole(state, route, body, record)
+            return await _stream(request, state, route, body, record, started, cache)
+        return await _whole(state, route, body, record, cache)
     except asyncio.CancelledError:
         record.outcome = "cancelled"
         record.status = record.status or 499
@@ -128,6 +134,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         record.latency = time.monotonic() - started
+        record.cache = None if cache is None else cache.status
         _finish(state, record)
         telemetry.end_call(request, observed, record)
 
@@ -142,7 +149,7 @@ def _finish(state: GatewayState, record: CallRecord) -> None:
 
 
 async def _whole(
-    state: GatewayState, route: Route, body: dict[str, Any], record: CallRecord
+    state: GatewayState, route: Route, body: dict[str, Any], record: CallRecord, cache: CacheTicket | None
 ) -> web.Response:
     target, reply = await dispatch(state, route, body, record, stream=False)
     record.status = reply.status
@@ -161,11 +168,12 @@ async def _whole(
                 record.completion = _answer_text(choices)
     if not reply.ok:
         record.outcome = "provider_error"
-    return web.Response(
-        status=reply.status,
-        body=reply.body,
-        headers={"Content-Type": reply.headers.get("Content-Type", "application/json")},
-    )
+    headers = {"Content-Type": reply.headers.get("Content-Type", "application/json")}
+    if cache is not None:
+        if reply.status == 200 and answer is not None:
+            cache.store_answer(reply.body, headers["Content-Type"], answer, record)
+        headers.update(cache.headers())
+    return web.Response(status=reply.status, body=reply.body, headers=headers)
 
 
 async def _stream(
@@ -175,6 +183,7 @@ async def _stream(
     body: dict[str, Any],
     record: CallRecord,
     started: float,
+    cache: CacheTicket | None,
 ) -> web.StreamResponse:
     client_wants_usage = _wants_usage(body)
     if not client_wants_usage:
@@ -195,10 +204,13 @@ async def _stream(
         )
     tap = StreamTap(client_wants_usage=client_wants_usage, keep_text=state.settings.capture_genai_content)
     strip_usage_null = not client_wants_usage
-    response = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+    response = web.StreamResponse(status=200, headers=_SSE_HEADERS if cache is None else {
+        **_SSE_HEADERS, **cache.headers()})
     try:
         await response.prepare(request)
         async for event in reply.events:
+            if cache is not None:
+                cache.collect(event)  # raw, as the provider sent it: stored once complete
             data = event_data(event)
             if data is not None and not tap.inspect(data):
                 continue
@@ -229,6 +241,8 @@ async def _stream(
         record.usage = tap.final_usage(fake_llm.prompt_tokens(body.get("messages") or []))
         record.chunks = tap.chunks
         record.completion = tap.kept_text()
+        if cache is not None and tap.done:
+            cache.store_stream(record)
     return response
 
 

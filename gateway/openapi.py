@@ -19,6 +19,7 @@ from aiohttp import web
 
 from gateway.admin_input import GROUP_BYS, MAX_GRACE, MAX_PAGE
 from gateway.audit import ACTIONS
+from gateway.cache_admin import KEY_PATTERN, MAX_GROUP_LEN
 from gateway.keys import BUDGET_PERIODS, KEY_STATES, MAX_INT, MAX_NAME_LEN
 
 __all__ = ["data_plane_document", "document_handler", "management_document"]
@@ -264,6 +265,28 @@ _PROVIDERS = {
     },
 }
 
+_CACHE_STATS = {
+    "type": "object",
+    "required": ["entries", "bytes", "max_bytes", "vectors", "shared", "counters", "policies"],
+    "properties": {
+        "entries": {"type": "integer"}, "bytes": {"type": "integer"}, "max_bytes": {"type": "integer"},
+        "vectors": {"type": "integer"}, "shared": {"type": "boolean"},
+        "shared_keys_known": {"type": "integer"}, "shared_index_live": {"type": "boolean"},
+        "counters": {"type": "object", "additionalProperties": {"type": "number"}},
+        "embedder": _nullable({"type": "string"}),
+        "policies": {"type": "object", "additionalProperties": {"type": "object"}},
+        "client_opt_in": {"type": "boolean"},
+    },
+}
+_CACHE_PURGED = {
+    "type": "object",
+    "required": ["purged"],
+    "properties": {"purged": {
+        "type": "object", "required": ["memory", "shared"],
+        "properties": {"memory": {"type": "integer", "minimum": 0}, "shared": {"type": "integer", "minimum": -1}},
+    }},
+}
+
 _ADMIN_ERRORS = {
     "401": _error("missing or wrong admin token (invalid_admin_token)"),
     "403": _error("no ADMIN_TOKEN configured: admin API disabled (admin_disabled)"),
@@ -383,6 +406,24 @@ def management_document() -> dict[str, Any]:
                 "listProviders", "Providers and deployments with circuit state, latency and error rate",
                 {"200": _json_body(_ref("Providers"), "providers and deployments")},
             )},
+            "/admin/cache": {
+                "get": _admin_op(
+                    "cacheStats", "Response cache: entries and bytes held, counters, per-group policies",
+                    {"200": _json_body(_ref("CacheStats"), "sizes and counters"), **_BAD_REQUEST},
+                ),
+                "delete": _admin_op(
+                    "purgeCache", "Forget cached answers (here, in Redis and on every replica)",
+                    {"200": _json_body(_ref("CachePurged"), "entries removed"), **_BAD_REQUEST},
+                    parameters=[
+                        _query_param("key", {"type": "string", "pattern": KEY_PATTERN},
+                                     "one entry: a response's x-gateway-cache-key"),
+                        _query_param("subject", _UUID, "entries stored by this subject's requests"),
+                        _query_param("group", {"type": "string", "minLength": 1, "maxLength": MAX_GROUP_LEN},
+                                     "entries of this model group (with subject: both)"),
+                        _query_param("all", {"enum": ["true"]}, "everything"),
+                    ],
+                ),
+            },
         },
         "components": {
             "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer", "description": "ADMIN_TOKEN"}},
@@ -392,6 +433,7 @@ def management_document() -> dict[str, Any]:
                 "KeyPatch": _KEY_PATCH, "Rotate": _ROTATE, "Revoke": _REVOKE,
                 "AuditEntry": _AUDIT_ENTRY, "AuditList": _list_of(_ref("AuditEntry"), {"type": "integer"}),
                 "UsageReport": _USAGE_REPORT, "Providers": _PROVIDERS,
+                "CacheStats": _CACHE_STATS, "CachePurged": _CACHE_PURGED,
             },
         },
     }

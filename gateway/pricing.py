@@ -47,7 +47,10 @@ def settle_cost(record: CallRecord) -> None:
     """Set ``record.cost_usd`` and ``record.cost_source`` from its usage and price."""
     usage = record.usage
     provider_cost = _provider_cost(usage)
-    if provider_cost is not None:
+    if record.cache == "hit":
+        # Answered from the response cache: the provider was not called.
+        record.cost_usd, record.cost_source = 0.0, "cache"
+    elif provider_cost is not None:
         record.cost_usd, record.cost_source = provider_cost, "provider"
     elif usage.total_tokens == 0:
         record.cost_usd, record.cost_source = 0.0, "none"

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from actors.auth import AuthHandle
     from actors.billing import BillingHandle
     from actors.breaker import BreakerHandle, DeploymentStatus
+    from actors.cache import CacheHandle
     from actors.limiter import LimiterHandle
 
 __all__ = ["STATE", "GatewayState"]
@@ -54,6 +55,8 @@ class GatewayState:
     #: This gateway's metrics (its own registry) and tracer; see gateway/telemetry.py.
     metrics: GatewayMetrics = field(default_factory=GatewayMetrics)
     tracing: Tracing = field(default_factory=Tracing)
+    #: The response cache (see actors/cache.py); None only in states built without it.
+    cache: CacheHandle | None = None
 
     def deployment_health(self) -> list[DeploymentStatus]:
         """Every configured deployment with circuit state, recent latency and error rate,

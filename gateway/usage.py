@@ -203,8 +203,14 @@ class CallRecord:
     #: What the call cost, settled once when it ends (:func:`gateway.pricing.settle_cost`):
     #: the provider's own ``cost``, else the price table's, else 0.
     cost_usd: float = 0.0
-    #: provider | price | unpriced (tokens but no way to price them) | none (no tokens).
+    #: provider | price | unpriced (tokens but no way to price them) | none (no tokens)
+    #: | cache (answered from the response cache).
     cost_source: str = "none"
+    #: Response cache: "hit" (answered from the cache: no provider call, cost 0),
+    #: "miss" (looked up, called the provider), "bypass" (not cacheable), None (cache off).
+    cache: str | None = None
+    #: Cosine similarity of a semantic hit (None for exact hits and everything else).
+    cache_similarity: float | None = None
 
 
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
