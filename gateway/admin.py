@@ -6,10 +6,13 @@ a route added later under ``/admin/`` cannot be forgotten). With no token config
 every admin route answers 403 ``admin_disabled``; a missing or wrong token is 401.
 
 Key changes go through :class:`gateway.keys.KeyStore` (the CLI's store) bound to one
-connection, with their :mod:`gateway.audit` row written in the same transaction. Every
+connection, with their :mod:`gateway.audit` row written in the same transaction (subject
+budgets likewise through :class:`gateway.budgets.SubjectBudgetStore`). Every
 change fires the ``api_keys_changed`` trigger, so each replica's AuthActor evicts the
 key within milliseconds: a PATCHed limit, a revocation or a rotation holds everywhere
-within a second. Handlers are thin: parse (:mod:`gateway.admin_input`), act, answer.
+within a second; a subject budget reaches every replica's budget check with its next
+spend refresh (about a second). Handlers are thin: parse (:mod:`gateway.admin_input`),
+act, answer.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from gateway import admin_views
 from gateway.admin_input import (
     ADMIN_BODY_LIMIT,
     parse_audit_query,
+    parse_budget_list_query,
+    parse_budget_set,
     parse_key_create,
     parse_key_list_query,
     parse_key_patch,
@@ -41,6 +46,7 @@ from gateway.admin_input import (
     read_admin_body,
 )
 from gateway.audit import AuditLog
+from gateway.budgets import SubjectBudget, SubjectBudgetStore
 from gateway.db import CONNECTION_ERRORS
 from gateway.errors import (
     AdminDisabled,
@@ -74,6 +80,7 @@ _AUDITED_FIELDS = (
 _QUERY_PARAMS = {
     "keys": ("subject_id", "state", "limit", "after"),
     "audit": ("limit", "after", "api_key_id", "action"),
+    "budgets": ("limit", "after"),
     "usage": ("group_by", "since", "until", "api_key_id"),
     "none": (),
 }
@@ -179,6 +186,18 @@ def _key_ref(request: web.Request) -> str:
     return ref
 
 
+def _subject_ref(request: web.Request) -> uuid.UUID:
+    """The ``{subject_id}`` of a budget route: a UUID, else 400 (nothing to look up)."""
+    try:
+        return uuid.UUID(request.match_info["subject_id"])
+    except ValueError:
+        raise InvalidRequest("'subject_id' in the path must be a UUID", code="invalid_field") from None
+
+
+def _no_budget(subject_id: uuid.UUID) -> NotFound:
+    return NotFound(f"subject {subject_id} has no budget", code="budget_not_found")
+
+
 def _page(items: Sequence[dict[str, Any]], limit: int, id_field: str) -> dict[str, Any]:
     """OpenAI's list shape; ``items`` holds up to ``limit + 1`` entries (the extra one says "more")."""
     shown = list(items[:limit])
@@ -206,15 +225,16 @@ def _store_errors() -> Iterator[None]:
 
 @dataclass(frozen=True, slots=True)
 class _Change:
-    """A key store and an audit trail bound to one transaction, and who is acting."""
+    """The stores and the audit trail bound to one transaction, and who is acting."""
 
     keys: KeyStore
+    budgets: SubjectBudgetStore
     trail: AuditLog
     actor: str
     request_id: str
     remote: str | None
 
-    async def record(self, action: str, api_key_id: uuid.UUID, detail: dict[str, Any]) -> None:
+    async def record(self, action: str, api_key_id: uuid.UUID | None, detail: dict[str, Any]) -> None:
         await self.trail.record(
             actor=self.actor, action=action, api_key_id=api_key_id, detail=detail,
             request_id=self.request_id, remote=self.remote,
@@ -228,8 +248,8 @@ async def _audited(request: web.Request) -> AsyncIterator[_Change]:
     with _store_errors():
         async with state.pool.acquire() as conn, conn.transaction():
             yield _Change(
-                keys=KeyStore(conn), trail=AuditLog(conn), actor=request[ADMIN_ACTOR],
-                request_id=request_id_of(request), remote=request.remote,
+                keys=KeyStore(conn), budgets=SubjectBudgetStore(conn), trail=AuditLog(conn),
+                actor=request[ADMIN_ACTOR], request_id=request_id_of(request), remote=request.remote,
             )
 
 
@@ -330,6 +350,64 @@ async def rotate_key(request: web.Request) -> web.Response:
     )
 
 
+# -- subject budgets ------------------------------------------------------------------
+async def list_budgets(request: web.Request) -> web.Response:
+    """``GET /admin/budgets``: subject budgets in subject order, paged with ``after``."""
+    q = parse_budget_list_query(_query(request, "budgets"))
+    budgets = await SubjectBudgetStore(request.app[STATE].pool).list(limit=q.limit + 1, after=q.after)
+    return _json(_page([b.to_json() for b in budgets], q.limit, "subject_id"))
+
+
+async def get_budget(request: web.Request) -> web.Response:
+    """``GET /admin/budgets/{subject_id}``: one subject's budget, or 404."""
+    _query(request, "none")
+    subject_id = _subject_ref(request)
+    budget = await SubjectBudgetStore(request.app[STATE].pool).get(subject_id)
+    if budget is None:
+        raise _no_budget(subject_id)
+    return _json(budget.to_json())
+
+
+def _budget_fields(budget: SubjectBudget | None) -> dict[str, Any]:
+    if budget is None:
+        return {"budget_usd": None, "budget_period": None}
+    return {"budget_usd": float(budget.budget_usd), "budget_period": budget.budget_period}
+
+
+async def put_budget(request: web.Request) -> web.Response:
+    """``PUT /admin/budgets/{subject_id}``: set or replace the budget of all the subject's
+    keys together; 201 when the subject had none, else 200."""
+    _query(request, "none")
+    subject_id = _subject_ref(request)
+    spec = parse_budget_set(await read_admin_body(request, _limit(request)))
+    async with _audited(request) as change:
+        before = await change.budgets.get(subject_id, for_update=True)
+        after = await change.budgets.set(subject_id, spec.budget_usd, spec.budget_period)
+        old, new = _budget_fields(before), _budget_fields(after)
+        await change.record("budget.set", None, {
+            "subject_id": str(subject_id),
+            "changes": {f: {"from": old[f], "to": new[f]} for f in new if old[f] != new[f]},
+        })
+    return _json(
+        after.to_json(), status=201 if before is None else 200,
+        headers={"Location": f"/admin/budgets/{subject_id}"} if before is None else None,
+    )
+
+
+async def delete_budget(request: web.Request) -> web.Response:
+    """``DELETE /admin/budgets/{subject_id}``: the subject's keys are capped by their own
+    budgets only; answers the budget removed, or 404."""
+    _query(request, "none")
+    subject_id = _subject_ref(request)
+    async with _audited(request) as change:
+        before = await change.budgets.get(subject_id, for_update=True)
+        if before is None:
+            raise _no_budget(subject_id)
+        await change.budgets.clear(subject_id)
+        await change.record("budget.clear", None, {"subject_id": str(subject_id), **_budget_fields(before)})
+    return _json(before.to_json())
+
+
 # -- audit, usage, providers --------------------------------------------------------
 async def list_audit(request: web.Request) -> web.Response:
     """``GET /admin/audit``: admin changes, newest first, paged with ``after``."""
@@ -360,6 +438,10 @@ def add_admin_routes(router: web.UrlDispatcher) -> None:
     router.add_patch("/admin/keys/{id}", update_key)
     router.add_post("/admin/keys/{id}/revoke", revoke_key)
     router.add_post("/admin/keys/{id}/rotate", rotate_key)
+    router.add_get("/admin/budgets", list_budgets)
+    router.add_get("/admin/budgets/{subject_id}", get_budget)
+    router.add_put("/admin/budgets/{subject_id}", put_budget)
+    router.add_delete("/admin/budgets/{subject_id}", delete_budget)
     router.add_get("/admin/audit", list_audit)
     router.add_get("/admin/usage", usage)
     router.add_get("/admin/providers", providers)

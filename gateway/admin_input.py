@@ -34,12 +34,16 @@ from gateway.keys import (
 __all__ = [
     "ADMIN_BODY_LIMIT",
     "AuditQuery",
+    "BudgetListQuery",
+    "BudgetSet",
     "KeyCreate",
     "KeyListQuery",
     "KeyPatch",
     "Rotation",
     "UsageQuery",
     "parse_audit_query",
+    "parse_budget_list_query",
+    "parse_budget_set",
     "parse_key_create",
     "parse_key_list_query",
     "parse_key_patch",
@@ -66,6 +70,9 @@ _NULLABLE_INTS = ("tokens_per_minute", "max_concurrent")
 _POLICY_FIELDS = (*_POLICY_INTS, "budget_usd", "budget_period", "allowed_models")
 _CREATE_FIELDS = ("name", "subject_id", *_POLICY_FIELDS, "expires_at", "expires_in_days")
 _PATCH_FIELDS = ("name", *_POLICY_FIELDS, "expires_at", "expires_in_days")
+_BUDGET_FIELDS = ("budget_usd", "budget_period")
+#: A subject budget's period when none is sent (as ``llm-gateway budgets set``).
+DEFAULT_BUDGET_PERIOD = "month"
 
 
 def _field_error(name: str, what: str) -> InvalidRequest:
@@ -261,6 +268,31 @@ def parse_revoke(body: Mapping[str, Any]) -> str | None:
     return _reason(body)
 
 
+@dataclass(frozen=True, slots=True)
+class BudgetSet:
+    """A checked ``PUT /admin/budgets/{subject_id}`` body: the whole budget."""
+
+    budget_usd: Decimal
+    budget_period: str
+
+
+def parse_budget_set(body: Mapping[str, Any]) -> BudgetSet:
+    """``budget_usd`` (required, 0 blocks every call) and ``budget_period`` (default month).
+
+    A PUT replaces the budget, so neither may be null: clearing is ``DELETE``.
+    """
+    _check_fields(body, _BUDGET_FIELDS)
+    if "budget_usd" not in body:
+        raise InvalidRequest("'budget_usd' is required", code="missing_field")
+    value = body["budget_usd"]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_USD:
+        raise _field_error("budget_usd", f"a number from 0 to {MAX_BUDGET_USD}")
+    period = body.get("budget_period", DEFAULT_BUDGET_PERIOD)
+    if period not in BUDGET_PERIODS:
+        raise _field_error("budget_period", f"one of {', '.join(BUDGET_PERIODS)}")
+    return BudgetSet(budget_usd=Decimal(str(value)), budget_period=period)
+
+
 # -- query strings ------------------------------------------------------------------
 def _query_error(name: str, what: str) -> InvalidRequest:
     return InvalidRequest(f"query parameter '{name}' must be {what}", code="invalid_query")
@@ -325,6 +357,16 @@ def parse_key_list_query(query: Mapping[str, str]) -> KeyListQuery:
         limit=_limit(query),
         after=_query_uuid(query, "after"),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class BudgetListQuery:
+    limit: int = DEFAULT_PAGE
+    after: uuid.UUID | None = None
+
+
+def parse_budget_list_query(query: Mapping[str, str]) -> BudgetListQuery:
+    return BudgetListQuery(limit=_limit(query), after=_query_uuid(query, "after"))
 
 
 @dataclass(frozen=True, slots=True)

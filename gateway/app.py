@@ -158,7 +158,7 @@ def build_management_app(
     settings = state.settings
     # No origin unless MANAGEMENT_CORS_ORIGINS lists it ('*' is refused by load_settings).
     cors = CorsPolicy(
-        settings.management_cors_origins, allow_methods=("GET", "POST", "PATCH", "DELETE"),
+        settings.management_cors_origins, allow_methods=("GET", "POST", "PUT", "PATCH", "DELETE"),
         allow_headers=MANAGEMENT_REQUEST_HEADERS, expose_headers=("x-request-id",),
     )
     app = web.Application(

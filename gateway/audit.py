@@ -1,4 +1,4 @@
-"""The admin audit trail: who changed what, when, and to which key.
+"""The admin audit trail: who changed what, when, and to which key or subject budget.
 
 Every change made through the admin API writes one ``admin_audit`` row in the same
 transaction as the change itself, so a change without its row (or a row without its
@@ -20,8 +20,9 @@ from gateway.keys import Database
 
 __all__ = ["ACTIONS", "AuditEntry", "AuditLog"]
 
-#: Every action the trail knows, one per kind of admin change.
-ACTIONS = ("key.create", "key.update", "key.revoke", "key.rotate")
+#: Every action the trail knows, one per kind of admin change. Budget rows name their
+#: subject in ``detail`` (``api_key_id`` is null: a subject budget covers all its keys).
+ACTIONS = ("key.create", "key.update", "key.revoke", "key.rotate", "budget.set", "budget.clear")
 
 _COLUMNS = "audit_id, at, actor, action, api_key_id, request_id, remote, detail"
 
@@ -38,7 +39,8 @@ class AuditEntry:
     api_key_id: uuid.UUID | None
     request_id: str | None
     remote: str | None
-    #: What changed (field: {"from", "to"}), ids of keys made, a reason if one was given.
+    #: What changed (field: {"from", "to"}), ids of keys made, the subject of a budget,
+    #: a reason if one was given.
     detail: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:

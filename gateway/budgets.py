@@ -4,8 +4,9 @@ A budget holds for a period: ``day`` (the current UTC day), ``month`` (the curre
 calendar month) or ``total`` (all time). The check before a call reads spend counters
 the BillingActor keeps in memory; :func:`fetch_spend` is what refreshes them about once
 a second from ``budget_spend`` (one row per budget and period, kept by the ledger's
-trigger; never the ledger itself), so every replica sees every replica's spend. :class:`SubjectBudgetStore` is the one place the CLI and the
-admin API change subject budgets.
+trigger; never the ledger itself), so every replica sees every replica's spend.
+:class:`SubjectBudgetStore` is the one place the CLI and the admin API change subject
+budgets.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 import asyncpg
 
-from gateway.keys import BUDGET_PERIODS
+from gateway.keys import BUDGET_PERIODS, MAX_BUDGET_USD, Database
 
 __all__ = [
     "BUDGET_PERIODS",
@@ -110,20 +111,21 @@ class SubjectBudget:
 class SubjectBudgetStore:
     """Set, read, list and clear subject budgets (the CLI and the admin API share it).
 
-    Changes reach every replica's budget check with its next spend refresh (about a
-    second).
+    Bound to a pool, or to one connection whose transaction also holds the change's
+    audit row (the admin API). Changes reach every replica's budget check with its next
+    spend refresh (about a second).
     """
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self._pool = pool
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     async def set(self, subject_id: uuid.UUID, budget_usd: Decimal, period: str) -> SubjectBudget:
         """Create or replace a subject's budget; ValueError on a bad amount or period."""
-        if not budget_usd.is_finite() or budget_usd < 0:
-            raise ValueError("budget_usd must be a non-negative amount")
+        if not budget_usd.is_finite() or not 0 <= budget_usd <= MAX_BUDGET_USD:
+            raise ValueError(f"budget_usd must be an amount from 0 to {MAX_BUDGET_USD}")
         if period not in BUDGET_PERIODS:
             raise ValueError("budget_period must be day, month or total")
-        row = await self._pool.fetchrow(
+        row = await self._db.fetchrow(
             """INSERT INTO subject_budgets (subject_id, budget_usd, budget_period)
             VALUES ($1, $2, $3)
             ON CONFLICT (subject_id) DO UPDATE SET budget_usd = EXCLUDED.budget_usd,
@@ -133,15 +135,22 @@ class SubjectBudgetStore:
         )
         return SubjectBudget.from_row(row)
 
-    async def get(self, subject_id: uuid.UUID) -> SubjectBudget | None:
-        row = await self._pool.fetchrow("SELECT * FROM subject_budgets WHERE subject_id = $1", subject_id)
+    async def get(self, subject_id: uuid.UUID, *, for_update: bool = False) -> SubjectBudget | None:
+        """The subject's budget, or None; ``for_update`` locks it for the caller's transaction."""
+        lock = " FOR UPDATE" if for_update else ""
+        row = await self._db.fetchrow(f"SELECT * FROM subject_budgets WHERE subject_id = $1{lock}", subject_id)
         return None if row is None else SubjectBudget.from_row(row)
 
-    async def list(self) -> list[SubjectBudget]:
-        rows = await self._pool.fetch("SELECT * FROM subject_budgets ORDER BY subject_id")
+    async def list(self, *, limit: int | None = None, after: uuid.UUID | None = None) -> list[SubjectBudget]:
+        """Budgets in subject order; ``after`` is the last subject of the previous page."""
+        rows = await self._db.fetch(
+            """SELECT * FROM subject_budgets WHERE ($2::uuid IS NULL OR subject_id > $2)
+            ORDER BY subject_id LIMIT $1""",
+            limit, after,
+        )
         return [SubjectBudget.from_row(r) for r in rows]
 
     async def clear(self, subject_id: uuid.UUID) -> bool:
         """Remove a subject's budget; True if it had one."""
-        status = await self._pool.execute("DELETE FROM subject_budgets WHERE subject_id = $1", subject_id)
+        status = await self._db.execute("DELETE FROM subject_budgets WHERE subject_id = $1", subject_id)
         return str(status).endswith(" 1")

@@ -17,10 +17,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from gateway.admin_input import GROUP_BYS, MAX_GRACE, MAX_PAGE
+from gateway.admin_input import DEFAULT_BUDGET_PERIOD, GROUP_BYS, MAX_GRACE, MAX_PAGE
 from gateway.audit import ACTIONS
 from gateway.cache_admin import KEY_PATTERN, MAX_GROUP_LEN
-from gateway.keys import BUDGET_PERIODS, KEY_STATES, MAX_INT, MAX_NAME_LEN
+from gateway.keys import BUDGET_PERIODS, KEY_STATES, MAX_BUDGET_USD, MAX_INT, MAX_NAME_LEN
 
 __all__ = ["data_plane_document", "document_handler", "management_document"]
 
@@ -96,7 +96,7 @@ _POLICY_PROPERTIES: dict[str, Any] = {
     "rate_limit_window_seconds": {**_INT, "description": "length of the request window"},
     "tokens_per_minute": _nullable(_INT),
     "max_concurrent": _nullable(_INT),
-    "budget_usd": _nullable({"type": "number", "minimum": 0, "maximum": 99999999.999999}),
+    "budget_usd": _nullable({"type": "number", "minimum": 0, "maximum": float(MAX_BUDGET_USD)}),
     "budget_period": _nullable({"enum": list(BUDGET_PERIODS)}),
     "allowed_models": _nullable({
         "type": "array", "maxItems": 1000,
@@ -183,6 +183,31 @@ _ROTATE = {
     },
 }
 _REVOKE = {"type": "object", "additionalProperties": False, "properties": {"reason": _REASON}}
+
+_SUBJECT_BUDGET = {
+    "type": "object",
+    "required": ["subject_id", "budget_usd", "budget_period", "created_at", "updated_at"],
+    "properties": {
+        "subject_id": _UUID,
+        "budget_usd": {"type": "number", "minimum": 0},
+        "budget_period": {"enum": list(BUDGET_PERIODS)},
+        "created_at": _DATETIME,
+        "updated_at": _DATETIME,
+    },
+}
+_BUDGET_SET = {
+    "type": "object", "additionalProperties": False, "required": ["budget_usd"],
+    "properties": {
+        "budget_usd": {
+            "type": "number", "minimum": 0, "maximum": float(MAX_BUDGET_USD),
+            "description": "USD per period for all the subject's keys together; 0 refuses every call",
+        },
+        "budget_period": {
+            "enum": list(BUDGET_PERIODS), "default": DEFAULT_BUDGET_PERIOD,
+            "description": "day and month are UTC calendar periods; total is all time",
+        },
+    },
+}
 
 _AUDIT_ENTRY = {
     "type": "object",
@@ -296,6 +321,13 @@ _BAD_REQUEST = {"400": _error("invalid_json, unknown_field, missing_field, inval
 _TOO_LARGE = {"413": _error("body over the limit (request_too_large)")}
 _NOT_FOUND = {"404": _error("no key with that id or prefix (key_not_found)")}
 
+_NO_BUDGET = {"404": _error("the subject has no budget (budget_not_found)")}
+_SUBJECT_PARAM = {
+    "name": "subject_id", "in": "path", "required": True,
+    "description": "the subject (tenant) UUID shared by its keys", "schema": _UUID,
+}
+_BAD_SUBJECT = {"400": _error("subject_id is not a UUID (invalid_field), or a bad query (invalid_query)")}
+
 _KEY_ID_PARAM = {
     "name": "id", "in": "path", "required": True,
     "description": "the key's id (UUID) or its 12-character prefix",
@@ -324,7 +356,10 @@ def management_document() -> dict[str, Any]:
         "openapi": OPENAPI_VERSION,
         "info": {
             "title": "llm-gateway management plane", "version": API_VERSION,
-            "description": "Keys, audit, usage and providers. /admin/* needs Authorization: Bearer $ADMIN_TOKEN.",
+            "description": (
+                "Keys, subject budgets, audit, usage, providers and the response cache. "
+                "/admin/* needs Authorization: Bearer $ADMIN_TOKEN."
+            ),
         },
         "security": [{"adminToken": []}],
         "paths": {
@@ -381,6 +416,31 @@ def management_document() -> dict[str, Any]:
                     requestBody={"required": False, "content": {JSON: {"schema": _ref("Rotate")}}},
                 ),
             },
+            "/admin/budgets": {"get": _admin_op(
+                "listBudgets", "Subject budgets, in subject order",
+                {"200": _json_body(_ref("SubjectBudgetList"), "a page of subject budgets"), **_BAD_REQUEST},
+                parameters=[_LIMIT_PARAM, _query_param("after", _UUID, "last_id of the previous page")],
+            )},
+            "/admin/budgets/{subject_id}": {
+                "parameters": [_SUBJECT_PARAM],
+                "get": _admin_op(
+                    "getBudget", "One subject's budget",
+                    {"200": _json_body(_ref("SubjectBudget"), "the budget"), **_BAD_SUBJECT, **_NO_BUDGET},
+                ),
+                "put": _admin_op(
+                    "setBudget", "Set or replace a subject's budget (every replica within about a second)",
+                    {
+                        "200": _json_body(_ref("SubjectBudget"), "replaced"),
+                        "201": _json_body(_ref("SubjectBudget"), "set: the subject had no budget"),
+                        **_BAD_REQUEST, **_TOO_LARGE,
+                    },
+                    requestBody={"required": True, "content": {JSON: {"schema": _ref("BudgetSet")}}},
+                ),
+                "delete": _admin_op(
+                    "clearBudget", "Remove a subject's budget; its keys keep their own budgets",
+                    {"200": _json_body(_ref("SubjectBudget"), "the budget removed"), **_BAD_SUBJECT, **_NO_BUDGET},
+                ),
+            },
             "/admin/audit": {"get": _admin_op(
                 "listAudit", "Admin changes, newest first",
                 {"200": _json_body(_ref("AuditList"), "a page of the audit trail"), **_BAD_REQUEST},
@@ -431,6 +491,8 @@ def management_document() -> dict[str, Any]:
                 "Error": _ERROR_SCHEMA, "Health": _HEALTH, "Key": _KEY, "NewKey": _NEW_KEY,
                 "RotatedKey": _ROTATED_KEY, "KeyList": _list_of(_ref("Key"), _UUID), "KeyCreate": _KEY_CREATE,
                 "KeyPatch": _KEY_PATCH, "Rotate": _ROTATE, "Revoke": _REVOKE,
+                "SubjectBudget": _SUBJECT_BUDGET, "SubjectBudgetList": _list_of(_ref("SubjectBudget"), _UUID),
+                "BudgetSet": _BUDGET_SET,
                 "AuditEntry": _AUDIT_ENTRY, "AuditList": _list_of(_ref("AuditEntry"), {"type": "integer"}),
                 "UsageReport": _USAGE_REPORT, "Providers": _PROVIDERS,
                 "CacheStats": _CACHE_STATS, "CachePurged": _CACHE_PURGED,

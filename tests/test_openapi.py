@@ -9,6 +9,7 @@ loop, so each run goes to a worker thread while the loop serves it.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,10 +104,11 @@ class FuzzReport:
 
 def _fuzz(
     document: dict[str, Any], base_url: str, headers: dict[str, str],
-    fresh_id: Callable[[], str] | None = None,
+    fresh: dict[str, Callable[[], str]] | None = None,
 ) -> FuzzReport:
-    """Run every operation in both generation modes, and once more with ``{id}`` a real
-    key from ``fresh_id`` (random ids only ever meet a 404)."""
+    """Run every operation in both generation modes, and once more with each path
+    parameter named in ``fresh`` (``{id}``: a key, ``{subject_id}``: a subject with a
+    budget) made real by its factory (random ids only ever meet a 404)."""
     schema = schemathesis.openapi.from_dict(document)
     session = requests.Session()
     report = FuzzReport()
@@ -116,8 +118,9 @@ def _fuzz(
         runs: list[tuple[GenerationMode, dict[str, str] | None]] = [
             (GenerationMode.POSITIVE, None), (GenerationMode.NEGATIVE, None),
         ]
-        if fresh_id is not None and "{id}" in operation.path:
-            runs.append((GenerationMode.POSITIVE, {"id": fresh_id()}))
+        for name, make in (fresh or {}).items():
+            if "{" + name + "}" in operation.path:
+                runs.append((GenerationMode.POSITIVE, {name: make()}))
         for mode, path_parameters in runs:
             mode_checks = [*checks, negative_data_rejection] if mode is GenerationMode.NEGATIVE else checks
             call = _property(
@@ -169,10 +172,20 @@ def _create_key_over_http(base_url: str) -> str:
     return str(resp.json()["api_key_id"])
 
 
+def _create_budget_over_http(base_url: str) -> str:
+    subject = str(uuid.uuid4())
+    resp = requests.put(f"{base_url}/admin/budgets/{subject}", json={"budget_usd": 1}, headers=auth(ADMIN_TOKEN), timeout=10)
+    assert resp.status_code == 201, resp.text
+    return subject
+
+
 async def test_schemathesis_finds_no_server_error_on_the_management_plane(admin_gateway: Gateway) -> None:
     base_url = str(admin_gateway.management.make_url("")).rstrip("/")
     report = await asyncio.to_thread(
-        _fuzz, management_document(), base_url, auth(ADMIN_TOKEN), lambda: _create_key_over_http(base_url)
+        _fuzz, management_document(), base_url, auth(ADMIN_TOKEN), {
+            "id": lambda: _create_key_over_http(base_url),
+            "subject_id": lambda: _create_budget_over_http(base_url),
+        },
     )
     assert not report.failures, "\n\n".join(report.failures)
     assert not report.unreached(), f"never answered 2xx: {report.unreached()} ({dict(report.statuses)})"
