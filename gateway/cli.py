@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
+from gateway.admin_input import MAX_GRACE
 from gateway.budgets import SubjectBudgetStore
 from gateway.config import ConfigError, GatewayConfig, Settings, load_config, load_settings
 from gateway.db import DatabaseUnavailable, EmbeddedUnavailable, connect_pool, migrate
@@ -79,6 +80,17 @@ def _budget(text: str) -> Decimal:
         raise argparse.ArgumentTypeError(f"expected an amount in USD, got {text!r}") from None
     if not value.is_finite() or value < 0 or value >= _MAX_BUDGET:
         raise argparse.ArgumentTypeError(f"expected a non-negative amount below {_MAX_BUDGET}, got {text!r}")
+    return value
+
+
+def _grace_seconds(text: str) -> int:
+    limit = int(MAX_GRACE.total_seconds())
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of seconds, got {text!r}") from None
+    if not 0 <= value <= limit:
+        raise argparse.ArgumentTypeError(f"expected 0 to {limit} seconds (30 days), got {text!r}")
     return value
 
 
@@ -143,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument("key")
     rotate = key_commands.add_parser("rotate", help="issue a new key with the same subject and limits")
     rotate.add_argument("key")
+    rotate.add_argument("--grace-seconds", type=_grace_seconds, default=0, metavar="N",
+                        help="the old key keeps working N more seconds (at most 30 days); 0: revoked now (default)")
     rotate.add_argument("--json", action="store_true")
 
     usage = commands.add_parser("usage", help="usage and spend from the ledger")
@@ -278,11 +292,20 @@ async def _keys(args: argparse.Namespace, settings: Settings) -> int:
             record = await store.revoke(args.key)
             print(f"revoked {record.api_key_id} ({record.key_prefix})")
         elif args.keys_command == "rotate":
+            grace = timedelta(seconds=args.grace_seconds) if args.grace_seconds else None
             try:
-                raw, record = await store.rotate(args.key)
+                raw, record = await store.rotate(args.key, grace=grace)
             except ValueError as exc:
                 raise CommandError(str(exc)) from None
-            _print_key(raw, record, args.json)
+            old = await store.get(args.key)
+            if args.json:
+                # As POST /admin/keys/{id}/rotate answers: the new key and the old one.
+                print(json.dumps({"api_key": raw, **record.to_json(), "previous": old.to_json()}))
+            else:
+                _print_key(raw, record, False)
+                if old.state == "active" and old.expires_at is not None:
+                    print(f"  the old key {old.key_prefix} keeps working until {old.expires_at.isoformat()}",
+                          file=sys.stderr)
         return 0
 
     return await _with_store(settings, act)

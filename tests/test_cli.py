@@ -1,6 +1,6 @@
 """The ``llm-gateway`` command (contract §1-§2), run as a real process (``python -m gateway``).
 
-keys create|list|revoke|rotate and their ``--json`` shapes, migrate (idempotent, safe
+keys create|list|revoke|rotate (with a grace period) and their ``--json`` shapes, migrate (idempotent, safe
 when several run at once), one-line failures without tracebacks, ``serve`` refusing a
 bad environment, and the embedded PostgreSQL with its development key.
 """
@@ -219,9 +219,52 @@ async def test_keys_rotate_keeps_subject_and_limits_and_revokes_the_old_key(
     assert "revoked key cannot be rotated" in again.one_line_error()
 
 
+async def test_keys_rotate_with_grace_keeps_the_old_key_working_until_it_ends(
+    run_cli: Any, gateway: Gateway, db_pool: asyncpg.Pool
+) -> None:
+    old = json.loads((await run_cli("keys", "create", "--name", "graceful", "--json")).stdout)
+    before = datetime.now(timezone.utc)
+    run = await run_cli("keys", "rotate", old["key_prefix"], "--grace-seconds", "3600", "--json")
+    assert run.rc == 0, run.stderr
+    new = json.loads(run.stdout)
+    previous = new["previous"]  # the shape POST /admin/keys/{id}/rotate answers
+    assert previous["api_key_id"] == old["api_key_id"] and previous["state"] == "active"
+    ends = datetime.fromisoformat(previous["expires_at"])
+    assert before + timedelta(seconds=3600) <= ends <= datetime.now(timezone.utc) + timedelta(seconds=3600)
+    assert previous["revoked_at"] is None and new["expires_at"] is None  # the new key never expires
+    for raw in (old["api_key"], new["api_key"]):
+        resp = await gateway.data.post("/v1/chat/completions", json=chat_body(), headers=auth(raw))
+        assert resp.status == 200
+    # The grace ends (moved to the past rather than waiting an hour): only the new key works.
+    await db_pool.execute(
+        "UPDATE api_keys SET expires_at = now() - interval '1 second' WHERE api_key_id = $1",
+        uuid.UUID(old["api_key_id"]),
+    )
+    for _ in range(100):  # bounded: the change reaches the gateway's key cache within a second
+        resp = await gateway.data.post("/v1/chat/completions", json=chat_body(), headers=auth(old["api_key"]))
+        if resp.status == 401:
+            break
+        await asyncio.sleep(0.05)
+    assert resp.status == 401
+    resp = await gateway.data.post("/v1/chat/completions", json=chat_body(), headers=auth(new["api_key"]))
+    assert resp.status == 200
+
+    # Without --json: the new key on stdout, and when the old one stops on stderr.
+    other = json.loads((await run_cli("keys", "create", "--name", "graceful-2", "--json")).stdout)
+    run = await run_cli("keys", "rotate", other["api_key_id"], "--grace-seconds", "60")
+    assert run.rc == 0 and KEY_SHAPE.fullmatch(run.stdout.strip())
+    assert f"the old key {other['key_prefix']} keeps working until" in run.stderr
+    # 0 is the default: revoked at once.
+    run = await run_cli("keys", "rotate", other["api_key_id"], "--grace-seconds", "0", "--json")
+    assert json.loads(run.stdout)["previous"]["state"] == "revoked"
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
+        (("keys", "rotate", "llmg_abcdefg", "--grace-seconds", "-1"), "--grace-seconds"),
+        (("keys", "rotate", "llmg_abcdefg", "--grace-seconds", "2592001"), "--grace-seconds"),
+        (("keys", "rotate", "llmg_abcdefg", "--grace-seconds", "soon"), "--grace-seconds"),
         (("keys", "create", "--name", "x", "--rpm", "0"), "--rpm"),
         (("keys", "create", "--name", "x", "--rpm", "many"), "--rpm"),
         (("keys", "create", "--name", "x", "--rpm", "99999999999"), "--rpm"),
