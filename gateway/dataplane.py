@@ -9,11 +9,12 @@ import orjson
 from aiohttp import web
 
 from gateway.chat import bearer_token, read_json_body
-from gateway.errors import InvalidRequest, UpstreamTimeout, UpstreamUnavailable
-from gateway.providers.base import ProviderError, UpstreamTimeoutError
+from gateway.dispatch import embed
+from gateway.errors import InvalidRequest
+from gateway.middleware import request_id_of
 from gateway.ratelimit import admit
 from gateway.state import STATE
-from gateway.usage import usage_from_answer
+from gateway.usage import CallRecord, usage_from_answer
 
 __all__ = ["embeddings", "healthz", "list_models", "readyz"]
 
@@ -64,7 +65,9 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def embeddings(request: web.Request) -> web.Response:
-    """Proxied to the first deployment of the model's route that serves embeddings."""
+    """Proxied to the model's deployments that serve embeddings, as chat calls are: under
+    their circuit breakers, with retries, failover and the group's fallbacks
+    (:func:`gateway.dispatch.embed`). A provider's own error answer keeps its status."""
     state = request.app[STATE]
     key = await state.auth.authenticate(bearer_token(request))
     permit = await admit(request, key)
@@ -75,14 +78,12 @@ async def embeddings(request: web.Request) -> web.Response:
     if "input" not in body:
         raise InvalidRequest("'input' is required", code="invalid_input")
     route = state.router.resolve(model, key.policy.allowed_models)
-    target = route.targets[0]
-    provider = state.providers[target.provider]
-    try:
-        reply = await provider.embeddings({**body, "model": target.upstream_model}, headers={})
-    except UpstreamTimeoutError:
-        raise UpstreamTimeout() from None
-    except ProviderError as exc:
-        raise UpstreamUnavailable(f"upstream unavailable: {exc}") from None
+    state.billing.check_budget(key)  # a spent budget stops embeddings too (402)
+    record = CallRecord(
+        request_id=request_id_of(request), api_key_id=key.api_key_id, subject_id=key.subject_id,
+        requested_model=model,
+    )
+    _target, reply = await embed(state, route, body, record)
     permit.charge(usage_from_answer(reply.body)[0].total_tokens)
     return web.Response(
         status=reply.status,

@@ -1,4 +1,4 @@
-"""Sending one chat call: which deployment, how often, and when to move on.
+"""Sending one chat (or embeddings) call: which deployment, how often, and when to move on.
 
 The relay (:mod:`gateway.chat`) asks for a reply; this module decides where it comes
 from. The route's targets are ordered by the group's strategy; each is tried under its
@@ -21,6 +21,9 @@ the group's ``fallbacks`` (model names, resolved like a client's, one level deep
 Every attempt's outcome goes to the breaker as a tell (never awaited): failures,
 successes with latency (time to first event for streams), 429s, and cancellations as
 neutral. A stream is watched to its end, so a stream cut mid-way counts as a failure.
+
+Embeddings (:func:`embed`) go the same way as a whole chat call, over the targets whose
+provider serves embeddings (others are passed over, not counted as failures).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 from actors.breaker import DEFAULT_COOLDOWN_SECONDS, Admission, BreakerHandle, Outcome
 from gateway import telemetry
 from gateway.config import ModelGroup
-from gateway.errors import CircuitOpen, GatewayError, UpstreamTimeout, UpstreamUnavailable
+from gateway.errors import CircuitOpen, GatewayError, ModelNotFound, UpstreamTimeout, UpstreamUnavailable
 from gateway.providers.base import (
     Provider,
     ProviderError,
@@ -48,7 +51,7 @@ from gateway.state import GatewayState
 from gateway.upstream import RETRYABLE_STATUSES, is_failure_status, may_resend
 from gateway.usage import CallRecord
 
-__all__ = ["dispatch", "timeouts_for"]
+__all__ = ["dispatch", "embed", "timeouts_for"]
 
 #: Added to a probe's timeouts for its lease, so a slow probe is not taken for a lost one.
 _PROBE_LEASE_MARGIN = 5.0
@@ -83,6 +86,29 @@ async def dispatch(
     the time spent waiting on providers. ``headers`` default to the call's trace context.
     """
     call = _Call(state, body, record, stream, record.trace_headers if headers is None else headers)
+    return await _run(call, state, route, record)
+
+
+async def embed(
+    state: GatewayState,
+    route: Route,
+    body: dict[str, Any],
+    record: CallRecord,
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[Target, UpstreamReply]:
+    """An embeddings call, dispatched like a whole chat call (breakers, retries, failover,
+    fallbacks) over the targets whose provider serves embeddings.
+
+    Raises as :func:`dispatch` does, and ModelNotFound when no target serves embeddings.
+    """
+    call = _Call(
+        state, body, record, False, record.trace_headers if headers is None else headers, embeddings=True
+    )
+    return await _run(call, state, route, record)
+
+
+async def _run(call: _Call, state: GatewayState, route: Route, record: CallRecord) -> tuple[Target, UpstreamReply]:
     chain: list[tuple[str | None, Route]] = [(None, route)]
     for name in route.group.fallbacks:
         try:
@@ -100,15 +126,19 @@ class _Call:
     """One dispatch: what was tried, what failed last, how long the skipped ones wait."""
 
     __slots__ = (
-        "attempted", "body", "breaker", "headers", "last_error", "last_reply", "last_target",
-        "record", "state", "stream", "wait",
+        "attempted", "body", "breaker", "capable", "embeddings", "headers", "last_error", "last_reply",
+        "last_target", "record", "state", "stream", "wait",
     )
 
     def __init__(
         self, state: GatewayState, body: dict[str, Any], record: CallRecord, stream: bool,
-        headers: Mapping[str, str],
+        headers: Mapping[str, str], *, embeddings: bool = False,
     ) -> None:
         self.state = state
+        #: An embeddings call: only targets whose provider serves embeddings are tried.
+        self.embeddings = embeddings
+        #: Targets that could take this call (open circuits included).
+        self.capable = 0
         self.breaker = state.breaker
         self.body = body
         self.record = record
@@ -124,11 +154,16 @@ class _Call:
         seen: set[tuple[str, str]] = set()
         for link, (fallback_model, route) in enumerate(chain):
             ordered = self.state.router.order(route, self.breaker.view, stream=self.stream)
+            if self.embeddings:
+                # e.g. an Anthropic deployment in the group: passed over, not a failure.
+                providers = self.state.providers
+                ordered = [t for t in ordered if providers[t.provider].serves_embeddings]
             for index, target in enumerate(ordered):
                 key = (target.deployment.id, target.upstream_model)
                 if key in seen:
                     continue  # a fallback sharing a deployment: it already failed
                 seen.add(key)
+                self.capable += 1
                 more = index + 1 < len(ordered) or link + 1 < len(chain)
                 reply = await self._try(target, route.group, fallback_model, more=more)
                 if reply is not None:
@@ -140,6 +175,8 @@ class _Call:
 
     def _give_up(self) -> tuple[Target, UpstreamReply]:
         record = self.record
+        if self.embeddings and self.capable == 0:
+            raise ModelNotFound(f"no deployment of model {record.requested_model!r} serves embeddings")
         if self.attempted == 0:
             raise CircuitOpen(
                 f"no healthy deployment for model {record.requested_model!r}", retry_after=self.wait or 1.0
@@ -186,7 +223,10 @@ class _Call:
                 record.fallback_model = fallback_model
             started = time.monotonic()
             try:
-                reply = await provider.chat(body, stream=self.stream, headers=self.headers, timeouts=timeouts)
+                if self.embeddings:
+                    reply = await provider.embeddings(body, headers=self.headers, timeouts=timeouts)
+                else:
+                    reply = await provider.chat(body, stream=self.stream, headers=self.headers, timeouts=timeouts)
                 first = await _first_event(reply) if self.stream and reply.ok and reply.events is not None else None
             except ProviderError as exc:
                 breaker.report(deployment, Outcome.FAILURE, token=token)

@@ -426,7 +426,11 @@ async def _messages(request: web.Request) -> web.StreamResponse:
 
 
 async def _embeddings(request: web.Request) -> web.StreamResponse:
-    """``POST /v1/embeddings``: deterministic small vectors."""
+    """``POST /v1/embeddings``: deterministic small vectors.
+
+    Pops the script like a chat request; of a step it honours ``delay_ms``, ``hang`` and
+    ``status`` (with ``retry_after``), so embeddings failover can be tested too.
+    """
     state = request.app[STATE_KEY]
     raw = await state.record(request)
     if not _OPENAI.authorized(request, state.config.require_key):
@@ -436,6 +440,17 @@ async def _embeddings(request: web.Request) -> web.StreamResponse:
         return _OPENAI.error(
             400, "request body must be a JSON object", "invalid_request_error", "invalid_json"
         )
+    step = state.next_step()
+    try:
+        if step.get("delay_ms"):
+            await asyncio.sleep(_number(step, "delay_ms", 0) / 1000)
+        if step.get("hang"):
+            await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        state.requests_cancelled += 1
+        raise
+    if "status" in step:
+        return _status_response(_OPENAI, step)
     return _json(embeddings(body))
 
 

@@ -331,6 +331,22 @@ async def test_embeddings(aiohttp_client: AiohttpClient) -> None:
     assert floats == pytest.approx(first["data"][0]["embedding"], rel=1e-6)
 
 
+async def test_embeddings_follow_the_script(aiohttp_client: AiohttpClient) -> None:
+    client = await fake(aiohttp_client)
+    await script(client, {"status": 503, "retry_after": 2}, {"delay_ms": 1}, {"status": 400})
+    body = {"model": "emb", "input": "hello"}
+    async with client.post("/v1/embeddings", json=body) as resp:
+        assert resp.status == 503 and resp.headers["Retry-After"] == "2"
+        assert (await resp.json())["error"]["message"] == "fake failure"
+    async with client.post("/v1/embeddings", json=body) as resp:
+        assert resp.status == 200 and (await resp.json())["object"] == "list"
+    async with client.post("/v1/embeddings", json=body) as resp:
+        assert resp.status == 400
+    async with client.post("/v1/embeddings", json=body) as resp:
+        assert resp.status == 200  # the script is used up
+    assert (await stats(client))["script_pending"] == 0
+
+
 # --------------------------------------------------------------------------- Anthropic wire
 
 ANTHROPIC_BODY: dict[str, Any] = {

@@ -126,6 +126,8 @@ class Provider:
 
     #: Value of ``gen_ai.provider.name`` for spans.
     system: str = "openai"
+    #: Whether :meth:`embeddings` is served; dispatch passes over deployments that are not.
+    serves_embeddings: bool = False
 
     def __init__(self, config: ProviderConfig, *, request_timeout: float) -> None:
         self.config = config
@@ -153,8 +155,10 @@ class Provider:
         """Upstream model ids, for ``/v1/models`` under wildcard routes; [] if unknown."""
         return []
 
-    async def embeddings(self, body: dict[str, Any], *, headers: Mapping[str, str]) -> UpstreamReply:
-        """Send one embeddings call (OpenAI shape)."""
+    async def embeddings(
+        self, body: dict[str, Any], *, headers: Mapping[str, str], timeouts: Timeouts | None = None
+    ) -> UpstreamReply:
+        """Send one embeddings call (OpenAI shape); ``timeouts`` as for :meth:`chat`."""
         raise UpstreamProtocolError(f"provider {self.name} does not serve embeddings")
 
     @property

@@ -27,6 +27,7 @@ class MockProvider(Provider):
     """Answers every model in-process, stream and non-stream."""
 
     system = "mock"
+    serves_embeddings = True
 
     def __init__(self, config: Any, *, request_timeout: float) -> None:
         super().__init__(config, request_timeout=request_timeout)
@@ -48,7 +49,9 @@ class MockProvider(Provider):
         chunks = fake_llm.stream_chunks(body, response_id=response_id, created=created)
         return UpstreamReply(status=200, headers=_SSE, events=_replay(chunks))
 
-    async def embeddings(self, body: dict[str, Any], *, headers: Mapping[str, str]) -> UpstreamReply:
+    async def embeddings(
+        self, body: dict[str, Any], *, headers: Mapping[str, str], timeouts: Timeouts | None = None
+    ) -> UpstreamReply:
         return UpstreamReply(status=200, headers=_JSON, body=orjson.dumps(fake_llm.embeddings(body)))
 
     async def list_models(self) -> list[str]:

@@ -31,6 +31,7 @@ class OpenAIProvider(Provider):
     """Speaks the OpenAI wire to ``base_url`` (``/chat/completions``, ``/embeddings``)."""
 
     system = "openai"
+    serves_embeddings = True
 
     def __init__(
         self, config: ProviderConfig, session: aiohttp.ClientSession, *, request_timeout: float
@@ -62,8 +63,12 @@ class OpenAIProvider(Provider):
             self._chat_url, orjson.dumps(body), stream=stream, headers=headers, timeouts=timeouts
         )
 
-    async def embeddings(self, body: dict[str, Any], *, headers: Mapping[str, str]) -> UpstreamReply:
-        return await self._post(self._embeddings_url, orjson.dumps(body), stream=False, headers=headers)
+    async def embeddings(
+        self, body: dict[str, Any], *, headers: Mapping[str, str], timeouts: Timeouts | None = None
+    ) -> UpstreamReply:
+        return await self._post(
+            self._embeddings_url, orjson.dumps(body), stream=False, headers=headers, timeouts=timeouts
+        )
 
     async def list_models(self) -> list[str]:
         return await fetch_model_ids(self._session, f"{self.config.base_url}/models", self._headers)
