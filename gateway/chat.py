@@ -98,6 +98,7 @@ def _wants_usage(body: dict[str, Any]) -> bool:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     key = await state.auth.authenticate(bearer_token(request))
+    telemetry.key_known(request, key.api_key_id)
     # Released by the rate-limit middleware on every path; it charges record's usage then.
     permit = await admit(request, key)
     body = await read_json_body(request, state.settings.body_limit)

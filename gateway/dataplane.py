@@ -8,6 +8,7 @@ import time
 import orjson
 from aiohttp import web
 
+from gateway import telemetry
 from gateway.chat import bearer_token, read_json_body
 from gateway.dispatch import embed
 from gateway.errors import InvalidRequest
@@ -55,6 +56,7 @@ async def list_models(request: web.Request) -> web.Response:
     """The model names this key may use, in OpenAI's list shape."""
     state = request.app[STATE]
     key = await state.auth.authenticate(bearer_token(request))
+    telemetry.key_known(request, key.api_key_id)
     await admit(request, key)
     created = int(time.time())
     data = [
@@ -70,6 +72,7 @@ async def embeddings(request: web.Request) -> web.Response:
     (:func:`gateway.dispatch.embed`). A provider's own error answer keeps its status."""
     state = request.app[STATE]
     key = await state.auth.authenticate(bearer_token(request))
+    telemetry.key_known(request, key.api_key_id)
     permit = await admit(request, key)
     body = await read_json_body(request, state.settings.body_limit)
     model = body.get("model")

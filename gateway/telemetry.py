@@ -6,6 +6,8 @@
   JSON access line per request (logger ``gateway.access``).
 * :func:`begin_call` / :func:`end_call` bracket a chat call in :mod:`gateway.chat`:
   the span, the trace headers for the provider, the record the access line reads.
+* :func:`key_known` is called by every key-authenticated handler once the key is
+  verified, so the access line names the key's id on every route, refusals included.
 * :func:`retried` / :func:`failed_over` are called by :mod:`gateway.dispatch`.
 * :func:`install` subscribes the metrics to finished calls and points the scrape at
   the actors' state; :func:`metrics_endpoint` serves ``GET /metrics``.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -34,6 +37,7 @@ __all__ = [
     "end_call",
     "failed_over",
     "install",
+    "key_known",
     "metrics_endpoint",
     "observe",
     "retried",
@@ -44,6 +48,8 @@ access_log = logging.getLogger(logs.ACCESS_LOGGER)
 
 #: The chat call's record, for the access line of its request.
 CALL_RECORD = web.RequestKey("call_record", CallRecord)
+#: The verified key's id (never the key), for the access line of every authenticated route.
+KEY_ID = web.RequestKey("key_id", uuid.UUID)
 #: Monotonic arrival time of the request, for the overhead metric.
 RECEIVED_AT = web.RequestKey("received_at", float)
 #: Route label of requests that matched no route (404/405): one series, whatever the path.
@@ -101,6 +107,9 @@ def _access_line(request: web.Request, route: str, status: int, elapsed: float) 
         "latency_ms": round(elapsed * 1000, 3),
         "client_ip": request.remote,
     }
+    key_id = request.get(KEY_ID)
+    if key_id is not None:
+        fields["key_id"] = str(key_id)
     record = request.get(CALL_RECORD)
     if record is not None:
         fields.update(
@@ -120,6 +129,11 @@ def _access_line(request: web.Request, route: str, status: int, elapsed: float) 
             error=record.error_type,
         )
     access_log.info("access", extra={"fields": fields})
+
+
+def key_known(request: web.Request, api_key_id: uuid.UUID) -> None:
+    """The request's key is verified: its id goes on the access line whatever follows."""
+    request[KEY_ID] = api_key_id
 
 
 # -- the chat call --------------------------------------------------------------------------

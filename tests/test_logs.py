@@ -73,6 +73,32 @@ async def test_one_access_line_per_request(
     assert raw not in everything and raw[:20] not in everything and PROVIDER_SECRET not in everything
 
 
+async def test_every_authenticated_route_names_the_key_on_its_access_line(
+    gateway: Gateway, key_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw, key = await key_factory(name="logged-everywhere", rate_limit_requests=4)
+    caplog.set_level(logging.INFO)
+    calls = [
+        ("GET", "/v1/models", None, "models"),
+        ("POST", "/v1/embeddings", {"model": "emb", "input": "hi"}, "embeddings"),
+        ("POST", "/v1/chat/completions", {"model": "m"}, "refused-body"),  # 400 after the key was verified
+        ("POST", "/v1/embeddings", {"model": "emb"}, "refused-embeddings"),
+        ("GET", "/v1/models", None, "rate-limited"),  # the fifth request of a 4-per-window key
+    ]
+    for method, path, body, request_id in calls:
+        resp = await gateway.data.request(method, path, json=body, headers={**auth(raw), "x-request-id": request_id})
+        await resp.read()
+    await gateway.data.get("/v1/models", headers={"x-request-id": "no-key"})
+    lines = {line["request_id"]: line for line in access_lines(caplog)}
+    statuses = {rid: lines[rid]["status"] for _, _, _, rid in calls}
+    assert statuses == {"models": 200, "embeddings": 200, "refused-body": 400, "refused-embeddings": 400, "rate-limited": 429}
+    for _, _, _, rid in calls:
+        assert lines[rid]["key_id"] == str(key.api_key_id), rid
+    assert lines["no-key"]["status"] == 401 and "key_id" not in lines["no-key"]
+    everything = "\n".join(JsonFormatter().format(r) for r in caplog.records)
+    assert raw not in everything
+
+
 async def test_errors_carry_the_request_id(gateway: Gateway, api_key: str) -> None:
     def broken_listener(_record: Any) -> None:
         raise RuntimeError(f"listener saw key {api_key}")
