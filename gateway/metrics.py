@@ -18,7 +18,12 @@ Hooks for the other actors (call them; each is a counter increment or a registra
 * breakers: :meth:`GatewayMetrics.watch_circuits` with a ``() -> {deployment: state}``
   reader (state ``closed``/``half-open``/``open`` or 0/1/2);
 * billing: :meth:`GatewayMetrics.watch_billing` with a ``() -> int`` reader of pending
-  events, :meth:`GatewayMetrics.unpriced` ``(model)`` for a call no price was known for.
+  events, :meth:`GatewayMetrics.unpriced` ``(model)`` for a call no price was known for;
+* response cache: :meth:`GatewayMetrics.watch_cache` with a reader of its stats
+  (counters and sizes), :meth:`GatewayMetrics.cache_similarity` as its similarity
+  listener. A call answered from the cache is no upstream call: it counts in the cache's
+  metrics and ``gateway_cache_hit_tokens_total``, never in the ``gateway_upstream_*``
+  series or ``gateway_tokens_total``.
   Set ``CallRecord.cost_usd`` (if you add it) before this module's listener runs, and the
   cost metric uses it; otherwise the provider-reported cost is counted.
 
@@ -63,6 +68,7 @@ __all__ = [
     "OPERATION_BUCKETS",
     "OVERHEAD_BUCKETS",
     "REQUEST_BUCKETS",
+    "SIMILARITY_BUCKETS",
     "TOKEN_BUCKETS",
     "TTFT_BUCKETS",
     "BoundedLabel",
@@ -87,6 +93,8 @@ TOKEN_BUCKETS = tuple(float(4**i) for i in range(14))
 REQUEST_BUCKETS = (0.001, 0.0025, 0.005, *OPERATION_BUCKETS, 163.84, 327.68)
 #: What the gateway itself adds to a call: 0.1 ms .. 1 s.
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+#: Cosine similarity of semantic cache searches: fine steps where thresholds are set (0.9+).
+SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.925, 0.95, 0.96, 0.97, 0.98, 0.99, 0.995, 1.0)
 
 #: Distinct model names kept as label values before the rest count as ``other``.
 MAX_MODEL_LABELS = 100
@@ -99,6 +107,8 @@ AUTH_FAILURE_REASONS = ("missing", "malformed", "unknown", "revoked", "expired",
 #: ``gateway_circuit_state`` values (contract §9).
 CIRCUIT_STATES: Mapping[str, int] = {"closed": 0, "half-open": 1, "half_open": 1, "open": 2}
 CALL_OUTCOMES = ("ok", "provider_error", "upstream_error", "cancelled", "cut")
+#: ``result`` values of ``gateway_cache_requests_total``, and the cache counter each reads.
+CACHE_RESULTS: Mapping[str, str] = {"hit": "hits", "miss": "misses", "bypass": "bypasses"}
 
 
 class BoundedLabel:
@@ -173,6 +183,7 @@ class _Readers:
     circuits: Callable[[], Mapping[str, str | int]] | None = None
     billing_pending: Callable[[], int] | None = None
     limiter_degraded: Callable[[], bool] | None = None
+    cache: Callable[[], Mapping[str, Any]] | None = None
     extra: list[Callable[[], Iterable[Metric]]] = field(default_factory=list)
 
 
@@ -273,6 +284,18 @@ class GatewayMetrics:
             "Times a call moved on to another deployment or fallback group, by requested model.",
             ["model"], registry=r,
         )
+        # -- response cache (hits, misses and sizes are read from the cache at scrape time) ---
+        self.cache_hit_tokens = Counter(
+            "gateway_cache_hit_tokens_total",
+            "Tokens of answers served from the response cache (no provider was called), by type.",
+            ["type"], registry=r,
+        )
+        self.cache_similarity_seen = Histogram(
+            "gateway_cache_similarity",
+            "Best cosine similarity of each semantic cache search that had a candidate, "
+            "by whether it matched (hit) or fell below the threshold (miss).",
+            ["result"], buckets=SIMILARITY_BUCKETS, registry=r,
+        )
         self.overhead = Histogram(
             "gateway_overhead_seconds",
             "Time a chat call spent in the gateway rather than waiting on providers "
@@ -292,6 +315,10 @@ class GatewayMetrics:
         self._tpot: _Children[Any] = _Children(self.time_per_output_token)
         self._tokens: _Children[Any] = _Children(self.tokens)
         self._token_usage = {t: self.token_usage.labels(t) for t in ("input", "output")}
+        self._cache_hit_tokens = {t: self.cache_hit_tokens.labels(t) for t in ("input", "output")}
+        self._similarity = {
+            True: self.cache_similarity_seen.labels("hit"), False: self.cache_similarity_seen.labels("miss"),
+        }
         self._cost: _Children[Any] = _Children(self.cost)
         self._retries: _Children[Any] = _Children(self.upstream_retries)
         self._rate_limited: _Children[Any] = _Children(self.rate_limited_requests)
@@ -350,6 +377,15 @@ class GatewayMetrics:
         """Read whether the limiter runs on its local fallback store at each scrape."""
         self._readers.limiter_degraded = degraded
 
+    def watch_cache(self, stats: Callable[[], Mapping[str, Any]]) -> None:
+        """Read the response cache's stats at each scrape: ``counters`` (``hits``,
+        ``misses``, ``bypasses``, ``semantic_hits``, ``evictions``...), ``entries``, ``bytes``."""
+        self._readers.cache = stats
+
+    def cache_similarity(self, similarity: float, hit: bool) -> None:
+        """A semantic cache search's best similarity (the cache's similarity listener)."""
+        self._similarity[hit].observe(similarity)
+
     def watch(self, families: Callable[[], Iterable[Metric]]) -> None:
         """Add a reader of more metric families, called on the loop at each scrape."""
         self._readers.extra.append(families)
@@ -360,6 +396,9 @@ class GatewayMetrics:
 
         Runs right after the call ends, so ``now`` is the call's end for the timings.
         """
+        if record.cache == "hit":
+            self._observe_hit(record)
+            return
         now = time.monotonic()
         requested = self.model_label(record.requested_model)
         provider = record.provider or "none"
@@ -393,6 +432,17 @@ class GatewayMetrics:
             self.unpriced(record.requested_model)
         if record.failovers:
             self._failovers(requested).inc(record.failovers)
+
+    def _observe_hit(self, record: CallRecord) -> None:
+        """A call answered from the response cache: no provider, no spend, no upstream time.
+
+        Its tokens were served, not used: they count apart from ``gateway_tokens_total``,
+        which (with the cost) measures what providers were asked for.
+        """
+        usage = record.usage
+        if usage.prompt_tokens or usage.completion_tokens:
+            self._cache_hit_tokens["input"].inc(usage.prompt_tokens)
+            self._cache_hit_tokens["output"].inc(usage.completion_tokens)
 
     # -- scrape --------------------------------------------------------------------------
     async def render(self) -> bytes:
@@ -453,9 +503,41 @@ class GatewayMetrics:
                 "gateway_key_invalidation_listening", "1 while key changes from other replicas are heard.",
                 value=1.0 if r.key_invalidation() else 0.0,
             ))
+        if r.cache is not None:
+            families.extend(_cache_families(r.cache()))
         for read in r.extra:
             families.extend(read())
         return families
+
+
+def _cache_families(stats: Mapping[str, Any]) -> list[Metric]:
+    """The response cache's counters and sizes as metric families (one scrape's worth)."""
+    counters = stats.get("counters") or {}
+    requests = CounterMetricFamily(
+        "gateway_cache_requests",
+        "Chat calls the response cache applied to, by what it did: hit (answered from it), "
+        "miss (looked up, then the provider answered), bypass (not allowed to read it).",
+        labels=["result"],
+    )
+    for result, counter in CACHE_RESULTS.items():
+        requests.add_metric([result], counters.get(counter, 0))
+    return [
+        requests,
+        CounterMetricFamily(
+            "gateway_cache_semantic_hits", "Cache hits found by meaning (semantic groups); part of result=hit.",
+            value=counters.get("semantic_hits", 0),
+        ),
+        CounterMetricFamily(
+            "gateway_cache_evictions", "Cached answers dropped to stay within the cache's byte bound.",
+            value=counters.get("evictions", 0),
+        ),
+        GaugeMetricFamily("gateway_cache_entries", "Answers held in this replica's memory.",
+                          value=stats.get("entries", 0)),
+        GaugeMetricFamily("gateway_cache_bytes", "Bytes of answers held in this replica's memory.",
+                          value=stats.get("bytes", 0)),
+        GaugeMetricFamily("gateway_cache_max_bytes", "The memory bound of the cache (cache.max_bytes).",
+                          value=stats.get("max_bytes", 0)),
+    ]
 
 
 def cost_of(record: CallRecord) -> float:

@@ -182,6 +182,10 @@ def install(state: GatewayState) -> None:
     degraded = _reader(state, "limiter", "degraded")
     if degraded is not None:
         metrics.watch_limiter(lambda: bool(degraded()))
+    cache = getattr(state, "cache", None)
+    if cache is not None:
+        metrics.watch_cache(cache.stats)
+        cache.similarity_listeners.append(metrics.cache_similarity)
     rejection_listeners = getattr(getattr(state, "limiter", None), "rejection_listeners", None)
     if rejection_listeners is not None:
         rejection_listeners.append(metrics.rate_limited)
