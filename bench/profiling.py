@@ -1,0 +1,123 @@
+"""A sampling profile of the gateway's hot path, taken with py-spy under S1's load.
+
+py-spy attaches to the running gateway from outside (``--nonblocking``: the gateway is
+never paused), samples its Python stacks and writes them collapsed, one stack per line.
+:func:`summarize` turns that into what the report shows: where the samples land by
+area (our code, aiohttp, the event loop, JSON...), the hottest functions by self time,
+and our own functions by inclusive time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+__all__ = ["find_py_spy", "record", "summarize"]
+
+_FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^()]*?)(?::(?P<line>\d+))?\)$")
+
+
+def find_py_spy() -> str | None:
+    """py-spy next to this interpreter (a venv) or on PATH."""
+    beside = Path(sys.executable).parent / "py-spy"
+    if beside.exists():
+        return str(beside)
+    return shutil.which("py-spy")
+
+
+async def record(pid: int, seconds: float, output: Path, *, cpu: int | None) -> str | None:
+    """Sample ``pid`` for ``seconds`` into ``output`` (collapsed stacks); an error or None."""
+    exe = find_py_spy()
+    if exe is None:
+        return "py-spy is not installed (pip install py-spy)"
+    argv = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))), "--rate", "250",
+            "--format", "raw", "--nonblocking", "--output", str(output)]
+    if cpu is not None and shutil.which("taskset"):
+        argv = ["taskset", "-c", str(cpu), *argv]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    out, _ = await proc.communicate()
+    if proc.returncode != 0 or not output.exists():
+        return f"py-spy failed ({proc.returncode}): {out.decode(errors='replace').strip()[-300:]}"
+    return None
+
+
+#: Frames that only start the process: present in every stack that reaches them.
+_ROOTS = ("gateway/__main__.py", "gateway/cli.py", "gateway/server.py")
+
+
+def _short(path: str) -> str:
+    """``aiohttp/client.py`` from however py-spy spelled the file."""
+    for marker in ("/site-packages/", "/dist-packages/"):
+        if marker in path:
+            return path.split(marker, 1)[1]
+    if "/lib/python3" in path:
+        return path.split("/lib/python3", 1)[1].split("/", 1)[-1]
+    for ours in ("/gateway/", "/actors/", "/bench/"):
+        if ours in path:
+            return ours.strip("/") + "/" + path.split(ours, 1)[1]
+    return path
+
+
+def _area(func: str, path: str) -> str:
+    top = path.split("/", 1)[0] if "/" in path else path.rsplit(".", 1)[0]
+    if top in ("gateway", "actors"):
+        return f"{top} (ours)"
+    if top == "asyncio" and func.startswith("Runner.run"):
+        # The leaf is the loop itself: uvloop's C code, polling and socket I/O.
+        return "event loop and socket I/O (uvloop, C)"
+    if top in ("multidict", "yarl", "propcache", "frozenlist", "aiosignal"):
+        return "aiohttp"
+    return top or "other"
+
+
+def _parse(frame: str) -> tuple[str, str]:
+    m = _FRAME.match(frame.strip())
+    if m is None:
+        return frame.strip(), ""
+    return m.group("func"), m.group("file")
+
+
+def summarize(collapsed: Path, top: int = 15) -> dict[str, Any]:
+    """Areas, hottest functions (self) and our functions (inclusive), as sample shares."""
+    total = 0
+    self_time: Counter[str] = Counter()
+    areas: Counter[str] = Counter()
+    inclusive: Counter[str] = Counter()
+    for line in collapsed.read_text(errors="replace").splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        frames = [_parse(f) for f in stack.split(";") if f]
+        if not frames:
+            continue
+        total += count
+        func, path = frames[-1]
+        self_time[f"{func} ({_short(path)})"] += count
+        areas[_area(func, _short(path))] += count
+        seen: set[str] = set()
+        for func, path in frames:
+            short = _short(path)
+            if _area(func, short).endswith("(ours)") and short not in _ROOTS:
+                seen.add(f"{func} ({short})")
+        for name in seen:
+            inclusive[name] += count
+    if not total:
+        return {"samples": 0}
+
+    def share(counter: Counter[str], n: int) -> list[tuple[str, float]]:
+        return [(name, round(100 * c / total, 1)) for name, c in counter.most_common(n)]
+
+    return {
+        "samples": total,
+        "areas": share(areas, 20),
+        "self": share(self_time, top),
+        "ours_inclusive": share(inclusive, top),
+    }

@@ -1,0 +1,148 @@
+"""The run's report: one Markdown table (what docs and the README show) and the raw JSON.
+
+Files go to ``bench/results/`` (git-ignored) as ``<stamp>-<mode>.md``/``.json``, and the
+newest run is copied to ``latest.md``/``latest.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench.scenarios import TARGETS, ScenarioReport
+from bench.stack import REPO
+
+__all__ = ["machine", "render_markdown", "write"]
+
+_TARGET_TITLES = {"direct": "direct", "bare": "bare relay", "gateway": "gateway"}
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on, including how busy the machine was."""
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    commit = ""
+    dirty = False
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True, check=False).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                    capture_output=True, text=True, check=False).stdout.strip())
+    except OSError:
+        pass
+    return {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "commit": commit + ("+dirty" if dirty else ""),
+    }
+
+
+def _fmt(value: float | None) -> str:
+    if value is None:
+        return "—"
+    if float(value).is_integer() and abs(value) >= 1:
+        return f"{int(value):,}"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.2f}"
+
+
+def _verdict(passed: bool | None) -> str:
+    return "" if passed is None else ("pass" if passed else "**FAIL**")
+
+
+def render_markdown(meta: dict[str, Any], reports: list[ScenarioReport], profile: dict[str, Any] | None,
+                    hops: dict[str, Any] | None) -> str:
+    m = meta["machine"]
+    env = meta["environment"]
+    pin = (f"gateway and bare relay pinned to CPU {env['gateway_cpu']}, fake providers and driver to CPU "
+           f"{env['load_cpu']}") if env["pinned"] else "not pinned"
+    lines = [
+        f"# Benchmark: {meta['mode']} run, {meta['started']}",
+        "",
+        f"Commit `{m['commit']}` · Python {m['python']} · {m['cpus']} CPUs ({m['cpu_model']}) · "
+        f"load average before {m['load_average'][0]}, after {meta['load_after'][0]} · {pin} · "
+        f"actors in the tree: {', '.join(env['features'])} · Redis: {'yes' if env['redis'] else 'no'}.",
+        "",
+        "Direct = the client calls the fake provider itself; bare relay = a 20-line aiohttp pass-through "
+        "(bench/bare_relay.py); gateway = `llm-gateway serve` with a real key, limits, breaker and billing "
+        "as present. Comparisons are gateway minus direct (bare relay minus direct in brackets).",
+        "",
+        "| scenario | metric | unit | direct | bare relay | gateway | gateway vs direct | bar | verdict |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- | --- | --- |",
+    ]
+    for report in reports:
+        if report.skipped:
+            lines.append(f"| {report.id} | *skipped: {report.skipped}* | | | | | | | |")
+            continue
+        for row in report.rows:
+            values = [_fmt(row.values.get(t)) if t in row.values else "—" for t in TARGETS]
+            lines.append(
+                f"| {row.scenario} | {row.metric} | {row.unit} | {' | '.join(values)} | {row.compare} | "
+                f"{row.bar} | {_verdict(row.passed)} |"
+            )
+    lines.append("")
+    for report in reports:
+        lines.append(f"- **{report.id}** {report.title}." + (" " + "; ".join(report.notes) + "." if report.notes else ""))
+    if hops:
+        lines += ["", "## Actor hops", ""]
+        costs = hops.get("costs", {})
+        lines.append(
+            f"One `ask` round trip costs {costs.get('ask_us')} µs and one `tell` {costs.get('tell_us')} µs "
+            f"(a plain `await` {costs.get('await_us')} µs); checking a cached key costs "
+            f"{costs.get('cached_key_check_us')} µs, with no hop and no database trip."
+        )
+        lines.append("")
+        lines.append("| request | asks | tells | by actor and message |")
+        lines.append("| --- | ---: | ---: | --- |")
+        for kind in ("whole", "stream"):
+            if kind in hops:
+                h = hops[kind]
+                detail = ", ".join(f"{k} × {v:g}" for k, v in h["per_request"].items()) or "none"
+                lines.append(f"| {kind} | {h['asks']:g} | {h['tells']:g} | {detail} |")
+    if profile:
+        lines += ["", "## Profile of the hot path", ""]
+        if profile.get("error"):
+            lines.append(f"Not taken: {profile['error']}.")
+        else:
+            summary = profile["summary"]
+            lines.append(
+                f"py-spy, {profile['seconds']:g} s of S1's load on the gateway, {summary.get('samples', 0)} samples "
+                f"of the running thread (idle time excluded); raw stacks in `{profile['file']}`."
+            )
+            lines += ["", "| where the time goes | share |", "| --- | ---: |"]
+            lines += [f"| {name} | {pct} % |" for name, pct in summary.get("areas", [])]
+            lines += ["", "| hottest functions (self) | share |", "| --- | ---: |"]
+            lines += [f"| `{name}` | {pct} % |" for name, pct in summary.get("self", [])]
+            lines += ["", "| our functions (inclusive) | share |", "| --- | ---: |"]
+            lines += [f"| `{name}` | {pct} % |" for name, pct in summary.get("ours_inclusive", [])]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def write(out_dir: Path, stamp: str, meta: dict[str, Any], reports: list[ScenarioReport],
+          profile: dict[str, Any] | None, hops: dict[str, Any] | None) -> tuple[Path, Path]:
+    """Write ``<stamp>-<mode>.md`` and ``.json`` and refresh ``latest.*``; returns both paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    base = out_dir / f"{stamp}-{meta['mode']}"
+    md_path, json_path = base.with_suffix(".md"), base.with_suffix(".json")
+    md_path.write_text(render_markdown(meta, reports, profile, hops))
+    doc = {**meta, "scenarios": [asdict(r) for r in reports], "profile": profile, "hops": hops}
+    json_path.write_text(json.dumps(doc, indent=2, default=str))
+    shutil.copyfile(md_path, out_dir / "latest.md")
+    shutil.copyfile(json_path, out_dir / "latest.json")
+    return md_path, json_path
