@@ -76,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="seconds per scenario: a smoke run, not a measurement")
     parser.add_argument("--duration", type=_seconds, help="measured seconds per pass (overrides each scenario's)")
     parser.add_argument("--soak-seconds", type=_seconds, help="S5's length (default 180, quick 6)")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds of S1-S3 and S6, best kept (default 3, quick 1)")
     parser.add_argument("--targets", type=_targets, default=TARGETS, help="comma list of direct,bare,gateway")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs with taskset")
     parser.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
@@ -130,7 +131,9 @@ async def _run(args: argparse.Namespace) -> int:
         if args.keep_logs:
             print(f"bench: logs in {stack.workdir}", flush=True)
         meta["environment"] = stack.environment()
-        ctx = RunContext(stack, args.quick, tuple(args.targets), args.duration, args.soak_seconds)
+        rounds = max(1, args.rounds or (1 if args.quick else 3))
+        ctx = RunContext(stack, args.quick, tuple(args.targets), duration=args.duration, rounds=rounds,
+                         soak=args.soak_seconds)
         for name in names:
             t0 = time.monotonic()
             print(f"bench: {name} ...", end="", flush=True)

@@ -47,6 +47,7 @@ class Outcome:
     ttfc: float | None = None  # seconds to the first ``data:`` event (streams)
     events: int = 0  # ``data:`` events other than [DONE]
     done: bool = False  # saw ``data: [DONE]``
+    stream: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,22 +67,23 @@ class Call:
         return cls(url, orjson.dumps(body), headers, stream=body.get("stream") is True)
 
     async def send(self, session: aiohttp.ClientSession) -> Outcome:
+        started = time.perf_counter()
         try:
             async with session.post(self.url, data=self.body, headers=self.headers) as resp:
                 if resp.status != 200:
                     await resp.read()
-                    return Outcome(False, f"http {resp.status}")
+                    return Outcome(False, f"http {resp.status}", stream=self.stream)
                 if not self.stream:
                     await resp.read()
                     return Outcome(True)
-                return await _read_stream(resp)
+                return await _read_stream(resp, started)
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
-            return Outcome(False, type(exc).__name__)
+            return Outcome(False, type(exc).__name__, stream=self.stream)
 
 
-async def _read_stream(resp: aiohttp.ClientResponse) -> Outcome:
-    started = time.perf_counter()
-    out = Outcome(True)
+async def _read_stream(resp: aiohttp.ClientResponse, started: float) -> Outcome:
+    """Count the events of a stream; the first chunk is timed from the request's start."""
+    out = Outcome(True, stream=True)
     async for line in resp.content:
         if not line.startswith(b"data: "):
             continue
@@ -103,6 +105,8 @@ class Result:
     """Everything one loop measured (latencies in seconds)."""
 
     latencies: list[float] = field(default_factory=list)
+    #: Latencies of whole (non-streaming) calls only, for mixed loads.
+    whole_latencies: list[float] = field(default_factory=list)
     ttfcs: list[float] = field(default_factory=list)
     events: list[int] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
@@ -125,6 +129,8 @@ class Result:
 
     def add(self, outcome: Outcome, latency: float) -> None:
         self.latencies.append(latency)
+        if not outcome.stream:
+            self.whole_latencies.append(latency)
         if not outcome.ok:
             self.errors[outcome.error or "error"] += 1
         if outcome.ttfc is not None:
@@ -171,12 +177,14 @@ def session_for(connections: int) -> aiohttp.ClientSession:
 
 async def closed_loop(
     calls: Callable[[int], Call], *, concurrency: int, duration: float, warmup: float = 0.0,
-    max_requests: int | None = None,
+    max_requests: int | None = None, stagger: float = 0.0,
 ) -> Result:
     """``concurrency`` workers send back to back for ``warmup + duration`` seconds.
 
     Only requests started after the warm-up count. ``calls(i)`` gives the i-th request,
     so a mix (streams among whole answers) is possible. ``max_requests`` bounds the run.
+    ``stagger`` spreads the workers' first requests over that many seconds, so long
+    requests (streams) do not all start and end together in waves.
     """
     result = Result()
     sent = 0
@@ -186,8 +194,10 @@ async def closed_loop(
         measure_from = start + warmup
         end = measure_from + duration
 
-        async def worker() -> None:
+        async def worker(k: int) -> None:
             nonlocal sent
+            if stagger:
+                await asyncio.sleep(stagger * k / concurrency)
             while (t0 := time.perf_counter()) < end and (max_requests is None or sent < max_requests):
                 call = calls(sent)
                 sent += 1
@@ -195,7 +205,7 @@ async def closed_loop(
                 if t0 >= measure_from:
                     result.add(outcome, time.perf_counter() - t0)
 
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await asyncio.gather(*(worker(k) for k in range(concurrency)))
         result.duration = min(time.perf_counter(), end) - measure_from
         result.driver_cpu = time.process_time() - cpu0
     return result

@@ -72,6 +72,7 @@ class RunContext:
     quick: bool
     targets: tuple[str, ...] = TARGETS
     duration: float | None = None  # overrides each scenario's measured duration
+    rounds: int = 1  # S1-S3, S6: interleaved rounds, best kept per target
     soak: float | None = None  # overrides S5's duration
 
     def seconds(self, full: float, quick: float) -> float:
@@ -157,6 +158,30 @@ async def measure(ctx: RunContext, target: str, profile: Profile, run: Callable[
     return Measured(result, window, db)
 
 
+async def best_of(
+    ctx: RunContext, profile: Profile, targets: list[str],
+    run_for: Callable[[str], Callable[[], Awaitable[Result]]],
+    score: Callable[[Result], float],
+) -> dict[str, Measured]:
+    """Each target's best pass (lowest ``score``) of ``ctx.rounds`` interleaved rounds.
+
+    On a shared machine, noise only ever slows a pass down: the best of a few
+    interleaved rounds is the fairest figure for every target alike.
+    """
+    best: dict[str, Measured] = {}
+    for _ in range(ctx.rounds):
+        for target in targets:
+            m = await measure(ctx, target, profile, run_for(target))
+            if target not in best or score(m.result) < score(best[target].result):
+                best[target] = m
+    return best
+
+
+def _p(result: Result, q: float, values: str = "latencies") -> float:
+    data = getattr(result, values)
+    return percentile(sorted(data), q) if data else float("inf")
+
+
 def _ms(result: Result, q: float, values: str = "latencies") -> float | None:
     data = getattr(result, values)
     return round(1000 * percentile(sorted(data), q), 2) if data else None
@@ -200,13 +225,12 @@ async def s1(ctx: RunContext) -> ScenarioReport:
     report = ScenarioReport("S1", "throughput: non-streaming, fast upstream, 32 concurrent")
     profile = profiles_for(ctx.quick)["fast"]
     duration, warmup = ctx.seconds(15, 2), (0.5 if ctx.quick else 2.0)
-    passes: dict[str, Measured] = {}
-    for target in ctx.active():
+
+    def run_for(target: str) -> Callable[[], Awaitable[Result]]:
         call = ctx.call(target, profile, whole_body(profile))
-        passes[target] = await measure(
-            ctx, target, profile,
-            lambda call=call: closed_loop(lambda _i: call, concurrency=32, duration=duration, warmup=warmup),  # type: ignore[misc]
-        )
+        return lambda: closed_loop(lambda _i: call, concurrency=32, duration=duration, warmup=warmup)
+
+    passes = await best_of(ctx, profile, ctx.active(), run_for, lambda r: -r.rps)
     report.raw = {t: m.json() for t, m in passes.items()}
     rps = {t: round(m.result.rps, 1) for t, m in passes.items()}
     g = rps.get("gateway")
@@ -232,6 +256,15 @@ async def s1(ctx: RunContext) -> ScenarioReport:
             f"{gw.db[0]} writes, {gw.db[1]} bytes in {gw.result.ok} requests", "cached key: no round trip",
             per < 0.05,
         ))
+    for target, m in passes.items():
+        if m.window is not None and m.window.wall and m.window.cpu / m.window.wall < 0.7 \
+                and (m.result.summary()["driver_cpu_pct"] or 0) < 90:
+            report.notes.append(
+                f"{target} got only {100 * m.window.cpu / m.window.wall:.0f} % of its CPU while the driver was "
+                "not saturated: other processes held that CPU, so its throughput here is not representative"
+            )
+    if ctx.rounds > 1:
+        report.notes.append(f"best of {ctx.rounds} interleaved rounds per target")
     report.notes.append(
         "driver CPU: " + ", ".join(f"{t} {m.result.summary()['driver_cpu_pct']}%" for t, m in passes.items())
         + " (near 100% means the driver, not the server, set the pace)"
@@ -262,30 +295,28 @@ async def _open_passes(
     ctx: RunContext, profile: Profile, *, rate: float, duration: float, warmup: float,
     targets: list[str] | None = None, during: Callable[[], Awaitable[None]] | None = None,
 ) -> dict[str, Measured]:
-    passes: dict[str, Measured] = {}
-    for target in targets or ctx.active():
+
+    def run_for(target: str) -> Callable[[], Awaitable[Result]]:
         call = ctx.call(target, profile, whole_body(profile))
-        passes[target] = await measure(
-            ctx, target, profile,
-            lambda call=call: open_loop(  # type: ignore[misc]
-                lambda _i: call, rate=rate, duration=duration, warmup=warmup, during=during
-            ),
-        )
-    return passes
+        return lambda: open_loop(lambda _i: call, rate=rate, duration=duration, warmup=warmup, during=during)
+
+    return await best_of(ctx, profile, targets or ctx.active(), run_for, lambda r: _p(r, 50) + _p(r, 99))
 
 
 # ----------------------------------------------------------------------------- S3
 async def s3(ctx: RunContext) -> ScenarioReport:
     report = ScenarioReport("S3", "streaming: 64 concurrent streams × 50 chunks at 20 ms")
     profile = profiles_for(ctx.quick)["stream"]
-    duration, warmup = ctx.seconds(10, 2), (0.0 if ctx.quick else 1.0)
-    passes: dict[str, Measured] = {}
-    for target in ctx.active():
+    # Streams start spread over one stream's length, then stay in phase: no waves of 64.
+    stream_seconds = (profile.chunks or 1) * profile.chunk_delay_ms / 1000
+    duration, warmup = ctx.seconds(10, 2), stream_seconds + (0.0 if ctx.quick else 1.0)
+
+    def run_for(target: str) -> Callable[[], Awaitable[Result]]:
         call = ctx.call(target, profile, stream_body(profile, 50))
-        passes[target] = await measure(
-            ctx, target, profile,
-            lambda call=call: closed_loop(lambda _i: call, concurrency=64, duration=duration, warmup=warmup),  # type: ignore[misc]
-        )
+        return lambda: closed_loop(lambda _i: call, concurrency=64, duration=duration, warmup=warmup,
+                                   stagger=stream_seconds)
+
+    passes = await best_of(ctx, profile, ctx.active(), run_for, lambda r: _p(r, 50, "ttfcs"))
     report.raw = {t: m.json() for t, m in passes.items()}
     report.rows.append(_row_ms("S3", "time to first chunk p50", passes, 50, "ttfcs", bar=1.5))
     report.rows.append(_row_ms("S3", "time to first chunk p99", passes, 99, "ttfcs"))
@@ -374,7 +405,7 @@ async def s5(ctx: RunContext) -> ScenarioReport:
     }
     report.rows.append(Row("S5", "gateway RSS after warm-up → end", {"gateway": round(start_rss / MB, 1)}, "MB",
                            f"→ {end_rss / MB:.1f} MB ({growth:+.1f} %)", "growth < 5 %", growth < 5))
-    report.rows.append(Row("S5", "latency p99 (mixed)", {"gateway": _ms(result, 99)}, "ms"))
+    report.rows.append(Row("S5", "whole-call latency p99", {"gateway": _ms(result, 99, "whole_latencies")}, "ms"))
     if result.errors:
         report.notes.append(f"gateway: errors {dict(result.errors)}")
     if ctx.quick:

@@ -102,14 +102,19 @@ class Proc:
         except OSError:
             return ""
 
-    def stop(self, grace: float = 10.0) -> None:
-        """SIGTERM, wait up to ``grace``, then SIGKILL: by pid, never by name."""
+    async def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM, wait up to ``grace``, then SIGKILL: by pid, never by name.
+
+        Waits without blocking the loop: the gateway's database traffic runs through
+        this process's proxy, and its shutdown (flushes) needs it to keep serving.
+        """
         if self.popen.poll() is not None:
             return
         self.popen.send_signal(signal.SIGTERM)
-        try:
-            self.popen.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + grace
+        while self.popen.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if self.popen.poll() is None:
             self.popen.kill()
             self.popen.wait(timeout=5)
 
@@ -256,6 +261,8 @@ class Stack:
         self.options = options
         cpus = sorted(os.sched_getaffinity(0))
         self.pinned = options.pin and len(cpus) >= 2 and shutil.which("taskset") is not None
+        # On a shared machine the idlest CPU goes to what is measured.
+        cpus = idlest_first(cpus) if self.pinned else cpus
         #: Gateway and bare relay here; fakes, driver and profiler on the other CPU.
         self.server_cpu = cpus[0]
         self.load_cpu = cpus[1] if len(cpus) >= 2 else cpus[0]
@@ -321,7 +328,7 @@ class Stack:
 
     async def close(self) -> None:
         for proc in reversed(self.procs):
-            proc.stop()
+            await proc.stop()
         if self.db_counter is not None:
             await self.db_counter.close()
         if self._db_created:
@@ -405,15 +412,18 @@ class Stack:
         }
 
     async def _start_gateway(self) -> None:
-        pg_host, pg_port = _host_port(self.database_url)
-        self.db_counter = ByteCounter(pg_host, pg_port)
-        await self.db_counter.start()
+        database_url = self.database_url
+        parts = urlsplit(database_url)
+        if parts.hostname and "host=" not in parts.query:  # TCP, not a unix socket: count its traffic
+            self.db_counter = ByteCounter(parts.hostname, parts.port or 5432)
+            await self.db_counter.start()
+            database_url = _via(database_url, self.db_counter.port)
         config_path = self.workdir / "gateway.yaml"
         config_path.write_text(yaml.safe_dump(self.gateway_config()))
         port, mport = free_port(), free_port()
         env = {
             **self._base_env(),
-            "DATABASE_URL": _via(self.database_url, self.db_counter.port),
+            "DATABASE_URL": database_url,
             "GATEWAY_CONFIG": str(config_path),
             "BIND_ADDR": f"127.0.0.1:{port}",
             "MANAGEMENT_BIND_ADDR": f"127.0.0.1:{mport}",
@@ -473,6 +483,27 @@ class Stack:
             "redis": bool(self.options.redis_url),
             "features": self.features(),
         }
+
+
+def _cpu_idle() -> dict[int, int]:
+    idle: dict[int, int] = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            name, *values = line.split()
+            if name.startswith("cpu") and name != "cpu":
+                idle[int(name[3:])] = int(values[3]) + int(values[4])  # idle + iowait
+    return idle
+
+
+def idlest_first(cpus: list[int], sample: float = 0.5) -> list[int]:
+    """``cpus`` ordered by how idle each was over the next ``sample`` seconds."""
+    try:
+        before = _cpu_idle()
+        time.sleep(sample)
+        after = _cpu_idle()
+    except (OSError, ValueError, IndexError):
+        return cpus
+    return sorted(cpus, key=lambda c: after.get(c, 0) - before.get(c, 0), reverse=True)
 
 
 def _host_port(url: str) -> tuple[str, int]:

@@ -1,0 +1,40 @@
+"""The benchmark's smoke run: ``python -m bench --quick --scenarios S1`` works end to end.
+
+It starts real processes (fake provider, gateway, bare relay) for a few seconds, so it is
+marked ``bench`` (deselect with ``-m "not bench"``). It checks that the run completes and
+reports, never how fast anything was: performance is judged by the benchmark itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+pytestmark = [pytest.mark.bench, pytest.mark.timeout(240)]
+
+
+def test_quick_s1_runs_end_to_end_and_writes_both_reports(tmp_path: Path, pg_admin_dsn: str) -> None:
+    env = {**os.environ, "BENCH_PG_ADMIN_DSN": pg_admin_dsn}
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--scenarios", "S1", "--duration", "1", "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=220, check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "latest.json").read_text())
+    (s1,) = report["scenarios"]
+    assert s1["id"] == "S1" and s1["skipped"] is None
+    for target in ("direct", "bare", "gateway"):
+        assert s1["raw"][target]["ok"] > 0, s1["raw"][target]
+        assert s1["raw"][target]["errors"] == {}, s1["raw"][target]
+    # Every request was authenticated with a real key, and a cached key costs no database trip.
+    assert report["hops"]["whole"]["failures"] == 0
+    assert report["hops"]["whole"]["asks"] == 0
+    markdown = (tmp_path / "latest.md").read_text()
+    assert "| S1 | requests/s |" in markdown
