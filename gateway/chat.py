@@ -61,7 +61,9 @@ async def read_json_body(request: web.Request, limit: int) -> dict[str, Any]:
     """The request's JSON object; 413 over ``limit`` bytes, 400 if not a JSON object."""
     if request.content_length is not None and request.content_length > limit:
         raise RequestTooLarge(f"request body over {limit} bytes")
-    raw = await request.content.read(limit + 1)
+    # Whole body: content.read(n) returns what has arrived so far, not n bytes. aiohttp's
+    # own cap (client_max_size, just above the limit) answers 413 for a chunked giant.
+    raw = await request.read()
     if len(raw) > limit:
         raise RequestTooLarge(f"request body over {limit} bytes")
     try:
