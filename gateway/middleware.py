@@ -8,8 +8,8 @@ is a 500 with the request id (the traceback goes to the log, never to the client
 from __future__ import annotations
 
 import logging
+import random
 import re
-import uuid
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -37,12 +37,20 @@ _CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def _new_id() -> str:
+    """32 hex digits, like ``uuid4().hex`` at a fifth of the price (no system call).
+
+    A request id must be unique, not secret; ``random`` is reseeded in forked children.
+    """
+    return f"{random.getrandbits(128):032x}"
+
+
 def request_id_of(request: web.Request) -> str:
     """The request's id: the client's if acceptable, else a new one (memoised)."""
     rid = request.get(_REQUEST_ID_KEY)
     if rid is None:
         sent = request.headers.get(REQUEST_ID)
-        rid = sent if sent is not None and _CLIENT_ID.fullmatch(sent) else uuid.uuid4().hex
+        rid = sent if sent is not None and _CLIENT_ID.fullmatch(sent) else _new_id()
         request[_REQUEST_ID_KEY] = rid
     return rid
 
