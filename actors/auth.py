@@ -208,6 +208,10 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
         elif msg == "not-listening":
             self.listening = False
 
+    def touched_since_flush(self, api_key_id: uuid.UUID) -> bool:
+        """Is this key's ``last_used_at`` already due in the next flush? (read-only peek)"""
+        return api_key_id in self._touched
+
     # -- lookups ----------------------------------------------------------------------
     def _authenticate(self, token: str) -> asyncio.Future[VerifiedKey]:
         loop = asyncio.get_running_loop()
@@ -417,10 +421,12 @@ class AuthHandle:
             key = await self._ref.ask(Authenticate(token))
         elif (refused := _refusal(key, token, time.time())) is not None:
             raise Unauthenticated(refused)
-        try:
-            self._ref.tell(Touch(key.api_key_id))
-        except Exception:  # noqa: BLE001 - a full mailbox must not fail a good key
-            pass
+        # One Touch per key per flush, not per request: a tell wakes the actor's task.
+        if not self._actor.touched_since_flush(key.api_key_id):
+            try:
+                self._ref.tell(Touch(key.api_key_id))
+            except Exception:  # noqa: BLE001 - a full mailbox must not fail a good key
+                pass
         return key
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 
@@ -25,3 +26,32 @@ async def test_a_body_arriving_in_pieces_is_read_whole(gateway: Gateway, fake: F
     assert resp.status == 200, await resp.text()
     stats = await fake.stats()
     assert stats["last_request"]["body"]["messages"][0]["content"] == "x " * 100_000
+
+
+async def _last_used(db_pool: Any, api_key_id: Any, after: Any = None, timeout: float = 10.0) -> Any:
+    """Poll until the key's last_used_at is set (and later than ``after``); bounded."""
+    for _ in range(int(timeout / 0.05)):
+        value = await db_pool.fetchval("SELECT last_used_at FROM api_keys WHERE api_key_id = $1", api_key_id)
+        if value is not None and (after is None or value > after):
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"last_used_at not updated (still {value})")
+
+
+async def test_last_used_at_follows_use_though_touches_are_coalesced(
+    gateway: Gateway, key_factory: Any, db_pool: Any
+) -> None:
+    raw, record = await key_factory(rate_limit_requests=100_000)
+    for _ in range(20):  # many uses within one flush interval make one Touch
+        resp = await gateway.data.post("/v1/chat/completions", json=chat_body(), headers=auth(raw))
+        assert resp.status == 200
+    first = await _last_used(db_pool, record.api_key_id)
+    # Once flushed, the next use is recorded again.
+    actor = gateway.state.auth._actor
+    for _ in range(200):
+        if not actor.touched_since_flush(record.api_key_id):
+            break
+        await asyncio.sleep(0.05)
+    resp = await gateway.data.post("/v1/chat/completions", json=chat_body(), headers=auth(raw))
+    assert resp.status == 200
+    await _last_used(db_pool, record.api_key_id, after=first)
