@@ -10,10 +10,10 @@ at the boundary, into :class:`ProviderError` subclasses.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from types import TracebackType
+from typing import Any, Literal
 
 import aiohttp
 import orjson
@@ -55,19 +55,48 @@ class UpstreamProtocolError(ProviderError):
     """The provider answered something that is not HTTP/JSON/SSE as promised."""
 
 
-@contextlib.contextmanager
-def map_transport_errors() -> Iterator[None]:
+def _translated(exc: BaseException) -> ProviderError | None:
+    """The ProviderError for an aiohttp/asyncio failure, most specific first; else None."""
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ClientConnectorDNSError):
+        return UpstreamConnectError(str(exc) or type(exc).__name__)
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return UpstreamTimeoutError("upstream timed out")
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return UpstreamProtocolError(f"upstream body broken: {exc}")
+    if isinstance(exc, aiohttp.ClientError | ConnectionError):
+        return UpstreamProtocolError(f"upstream connection failed: {type(exc).__name__}: {exc}")
+    return None
+
+
+class _TransportErrorMap:
+    """``with map_transport_errors():`` — a plain class, not ``@contextmanager``.
+
+    It wraps every provider call (twice per whole answer): a generator-based context
+    manager cost ~1.2 µs a use in the S1 profile, this one ~0.1 µs.
+    """
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> Literal[False]:
+        if exc is None:
+            return False
+        error = _translated(exc)
+        if error is None:
+            return False
+        raise error from exc
+
+
+_TRANSPORT_ERROR_MAP = _TransportErrorMap()
+
+
+def map_transport_errors() -> _TransportErrorMap:
     """Translate aiohttp/asyncio failures into ProviderError, most specific first."""
-    try:
-        yield
-    except (aiohttp.ClientConnectorError, aiohttp.ClientConnectorDNSError) as exc:
-        raise UpstreamConnectError(str(exc) or type(exc).__name__) from exc
-    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-        raise UpstreamTimeoutError("upstream timed out") from exc
-    except aiohttp.ClientPayloadError as exc:
-        raise UpstreamProtocolError(f"upstream body broken: {exc}") from exc
-    except (aiohttp.ClientError, ConnectionError) as exc:
-        raise UpstreamProtocolError(f"upstream connection failed: {type(exc).__name__}: {exc}") from exc
+    return _TRANSPORT_ERROR_MAP
 
 
 @dataclass(frozen=True, slots=True)
