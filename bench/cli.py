@@ -37,7 +37,7 @@ from bench.scenarios import (
     stream_body,
     whole_body,
 )
-from bench.stack import REPO, Stack, StackOptions, raised_fd_limit
+from bench.stack import REPO, ProcWatch, Stack, StackOptions, raised_fd_limit
 
 __all__ = ["main"]
 
@@ -90,22 +90,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _profile(ctx: RunContext, args: argparse.Namespace, out: Path, stamp: str) -> dict[str, Any]:
+    """py-spy on the bare relay and on the gateway, each under S1's load in turn."""
     stack = ctx.stack
     seconds = args.profile_seconds or (2.0 if args.quick else 10.0)
-    assert stack.gateway is not None
     profile = profiles_for(args.quick)["fast"]
-    call = ctx.call("gateway", profile, whole_body(profile))
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{stamp}-profile.txt"
-    # Load first, then attach, so every sample is taken under load.
-    load = asyncio.ensure_future(closed_loop(lambda _i: call, concurrency=32, duration=seconds + 1.5))
-    await asyncio.sleep(0.5)
-    error = await profiling.record(stack.gateway.pid, seconds, path, cpu=stack.load_cpu if stack.pinned else None)
-    result = await load
-    if error is not None:
-        return {"error": error}
-    return {"seconds": seconds, "file": str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
-            "summary": profiling.summarize(path), "load": result.summary()}
+    found: dict[str, Any] = {}
+    for target in ("bare", "gateway"):
+        pid = ctx.pid(target, profile)
+        if pid is None or target not in ctx.targets:
+            continue
+        call = ctx.call(target, profile, whole_body(profile))
+        path = out / f"{stamp}-profile-{target}.txt"
+        # Load first, then attach, so every sample is taken under load.
+        load = asyncio.ensure_future(closed_loop(lambda _i, c=call: c, concurrency=32, duration=seconds + 1.5))  # type: ignore[misc]
+        await asyncio.sleep(0.5)
+        async with ProcWatch(pid).window() as window:
+            error = await profiling.record(pid, seconds, path, cpu=stack.load_cpu if stack.pinned else None)
+        result = await load
+        if error is not None:
+            return {"error": error}
+        requests = result.ok * seconds / result.duration if result.duration else 0
+        found[target] = {
+            "file": str(path.relative_to(REPO) if path.is_relative_to(REPO) else path),
+            "summary": profiling.summarize(path),
+            "cpu_us_per_request": round(1e6 * window.cpu / requests, 1) if requests else None,
+            "cpu_pct": round(100 * window.cpu / window.wall, 1) if window.wall else None,
+            "load": result.summary(),
+        }
+    return {"seconds": seconds, "targets": found}
 
 
 async def _run(args: argparse.Namespace) -> int:

@@ -52,6 +52,10 @@ async def record(pid: int, seconds: float, output: Path, *, cpu: int | None) -> 
 _ROOTS = ("gateway/__main__.py", "gateway/cli.py", "gateway/server.py")
 
 
+#: Python frames under which only the C event loop runs (asyncio.Runner, aiohttp's run_app).
+_LOOP_RUNNERS = frozenset({"run", "run_app", "run_until_complete", "run_forever"})
+
+
 def _short(path: str) -> str:
     """``aiohttp/client.py`` from however py-spy spelled the file."""
     for marker in ("/site-packages/", "/dist-packages/"):
@@ -69,9 +73,11 @@ def _area(func: str, path: str) -> str:
     top = path.split("/", 1)[0] if "/" in path else path.rsplit(".", 1)[0]
     if top in ("gateway", "actors"):
         return f"{top} (ours)"
-    if top == "asyncio" and func.startswith("Runner.run"):
-        # The leaf is the loop itself: uvloop's C code, polling and socket I/O.
+    if func.rpartition(".")[2] in _LOOP_RUNNERS:
+        # The leaf is what runs the loop: uvloop's C code, polling and socket I/O.
         return "event loop and socket I/O (uvloop, C)"
+    if top == "bench":
+        return "bare relay's handler"
     if top in ("multidict", "yarl", "propcache", "frozenlist", "aiosignal"):
         return "aiohttp"
     return top or "other"

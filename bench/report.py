@@ -102,9 +102,11 @@ def render_markdown(meta: dict[str, Any], reports: list[ScenarioReport], profile
         lines += ["", "## Actor hops", ""]
         costs = hops.get("costs", {})
         lines.append(
-            f"One `ask` round trip costs {costs.get('ask_us')} µs and one `tell` {costs.get('tell_us')} µs "
-            f"(a plain `await` {costs.get('await_us')} µs); checking a cached key costs "
-            f"{costs.get('cached_key_check_us')} µs, with no hop and no database trip."
+            f"Measured in the driver's process: one `ask` round trip to an idle actor costs {costs.get('ask_us')} µs "
+            f"and one `tell` (handled) {costs.get('tell_us')} µs, against {costs.get('await_us')} µs for a plain "
+            f"`await`; `AuthHandle.authenticate` on a cached key costs {costs.get('cached_key_check_us')} µs. "
+            "Hops per request, counted on every `ActorRef.ask`/`tell` while an in-process gateway served "
+            f"{hops.get('whole', {}).get('requests', 0)} calls of each kind:"
         )
         lines.append("")
         lines.append("| request | asks | tells | by actor and message |")
@@ -116,22 +118,45 @@ def render_markdown(meta: dict[str, Any], reports: list[ScenarioReport], profile
                 lines.append(f"| {kind} | {h['asks']:g} | {h['tells']:g} | {detail} |")
     if profile:
         lines += ["", "## Profile of the hot path", ""]
-        if profile.get("error"):
-            lines.append(f"Not taken: {profile['error']}.")
-        else:
-            summary = profile["summary"]
-            lines.append(
-                f"py-spy, {profile['seconds']:g} s of S1's load on the gateway, {summary.get('samples', 0)} samples "
-                f"of the running thread (idle time excluded); raw stacks in `{profile['file']}`."
-            )
-            lines += ["", "| where the time goes | share |", "| --- | ---: |"]
-            lines += [f"| {name} | {pct} % |" for name, pct in summary.get("areas", [])]
-            lines += ["", "| hottest functions (self) | share |", "| --- | ---: |"]
-            lines += [f"| `{name}` | {pct} % |" for name, pct in summary.get("self", [])]
-            lines += ["", "| our functions (inclusive) | share |", "| --- | ---: |"]
-            lines += [f"| `{name}` | {pct} % |" for name, pct in summary.get("ours_inclusive", [])]
+        lines += _profile_lines(profile)
     lines.append("")
     return "\n".join(lines)
+
+
+def _profile_lines(profile: dict[str, Any]) -> list[str]:
+    if profile.get("error"):
+        return [f"Not taken: {profile['error']}."]
+    targets: dict[str, Any] = profile.get("targets", {})
+    if not targets:
+        return ["Not taken: no bare relay or gateway in this run."]
+    lines = [
+        f"py-spy (`--nonblocking`, 250 Hz) on each server for {profile['seconds']:g} s of S1's load; samples "
+        "of the running thread only, so shares are of CPU time, turned into µs per request with the CPU "
+        "the process used. Raw stacks: " + ", ".join(f"`{t['file']}`" for t in targets.values()) + ".",
+        "",
+    ]
+    names = list(targets)
+    lines.append("| where the CPU goes, per request | " + " | ".join(_TARGET_TITLES[n] for n in names) + " |")
+    lines.append("| --- |" + " ---: |" * len(names))
+    areas: dict[str, dict[str, float]] = {}
+    for name, t in targets.items():
+        per = t.get("cpu_us_per_request") or 0.0
+        for area, pct in t["summary"].get("areas", []):
+            areas.setdefault(area, {})[name] = per * pct / 100
+    ordered = sorted(areas, key=lambda a: -max(areas[a].values()))
+    for area in ordered[:10]:
+        cells = [f"{areas[area][n]:.0f} µs" if n in areas[area] else "—" for n in names]
+        lines.append(f"| {area} | " + " | ".join(cells) + " |")
+    totals = [f"**{targets[n].get('cpu_us_per_request') or 0:.0f} µs**" for n in names]
+    lines.append("| total | " + " | ".join(totals) + " |")
+    gateway = targets.get("gateway")
+    if gateway is not None:
+        summary = gateway["summary"]
+        lines += ["", "| gateway: hottest functions (self) | share |", "| --- | ---: |"]
+        lines += [f"| `{name}` | {pct} % |" for name, pct in summary.get("self", [])]
+        lines += ["", "| gateway: our functions (inclusive) | share |", "| --- | ---: |"]
+        lines += [f"| `{name}` | {pct} % |" for name, pct in summary.get("ours_inclusive", [])]
+    return lines
 
 
 def write(out_dir: Path, stamp: str, meta: dict[str, Any], reports: list[ScenarioReport],
