@@ -226,6 +226,13 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
         root.removeHandler(old)
     root.addHandler(_HandOff(records))
     root.setLevel(getattr(logging, level.upper()))
+    # Neither format shows where a call was made from, nor thread or process names: skip
+    # computing them for every record (the logging HOWTO's "Optimization" switches).
+    # Finding the caller walks the stack: ~8 µs of the ~19 µs an access line costs the loop.
+    logging._srcfile = None  # type: ignore[attr-defined]
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
     listener.start()
     setup = LogSetup(redactor, listener)
     atexit.register(setup.stop)
