@@ -61,6 +61,13 @@ def _targets(text: str) -> tuple[str, ...]:
     return wanted
 
 
+def _assignment(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError("expected NAME=VALUE")
+    return name, value
+
+
 def _seconds(text: str) -> float:
     value = float(text)
     if not 0 < value <= 3600:
@@ -83,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-seconds", type=_seconds, help="length of the profile (default 10, quick 2)")
     parser.add_argument("--no-hops", action="store_true", help="skip the actor hop measurements")
     parser.add_argument("--redis", metavar="URL", help="give the gateway REDIS_URL (limits in Redis)")
+    parser.add_argument("--gateway-env", action="append", default=[], metavar="NAME=VALUE", type=_assignment,
+                        help="extra environment for the gateway, e.g. LOG_LEVEL=warning (repeatable; for A/B runs)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where reports go (default bench/results)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (printed path)")
     parser.add_argument("--check", action="store_true", help="exit 1 if a bar is missed")
@@ -133,9 +142,11 @@ async def _run(args: argparse.Namespace) -> int:
         "machine": machine(),
         "scenarios_run": names,
         "targets": list(args.targets),
+        "gateway_env": dict(args.gateway_env),
     }
     options = StackOptions(profiles=profiles, pin=not args.no_pin, redis_url=args.redis,
-                           bare="bare" in args.targets, keep_logs=args.keep_logs)
+                           bare="bare" in args.targets, keep_logs=args.keep_logs,
+                           gateway_env=dict(args.gateway_env))
     reports: list[ScenarioReport] = []
     profile: dict[str, Any] | None = None
     hops: dict[str, Any] | None = None

@@ -246,6 +246,8 @@ class StackOptions:
     redis_url: str | None = None
     bare: bool = True
     keep_logs: bool = False
+    #: Extra environment for the gateway (``--gateway-env LOG_LEVEL=warning``), for A/B runs.
+    gateway_env: dict[str, str] = field(default_factory=dict)
 
 
 def _with_db(dsn: str, name: str) -> str:
@@ -430,6 +432,7 @@ class Stack:
             "LLM_GATEWAY_HOME": str(self.workdir / "home"),
             "ADMIN_TOKEN": secrets.token_hex(16),
         }
+        env.update(self.options.gateway_env)
         if self.options.redis_url:
             env["REDIS_URL"] = self.options.redis_url
         else:
