@@ -55,3 +55,39 @@ async def test_last_used_at_follows_use_though_touches_are_coalesced(
     resp = await gateway.data.post("/v1/chat/completions", json=chat_body(), headers=auth(raw))
     assert resp.status == 200
     await _last_used(db_pool, record.api_key_id, after=first)
+
+
+def test_log_records_from_the_loop_reach_the_writer_in_order_and_stop_flushes_them() -> None:
+    import io
+    import logging
+
+    from gateway.logs import configure_logging
+
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    out = io.StringIO()
+    setup = configure_logging("info", "json", stream=out)
+    log = logging.getLogger("gateway.test")
+
+    async def on_the_loop() -> None:
+        for i in range(5):
+            log.info("loop %d", i)
+        for _ in range(200):  # batched, yet written within a moment (bounded wait)
+            if out.getvalue().count("\n") >= 5:
+                break
+            await asyncio.sleep(0.01)
+        log.info("last on the loop")
+
+    try:
+        log.info("before the loop")
+        asyncio.run(on_the_loop())
+        log.info("after the loop")
+    finally:
+        setup.stop()  # flushes the batch still pending
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in saved_handlers:
+            root.addHandler(handler)
+        root.setLevel(saved_level)
+    messages = [orjson.loads(line)["msg"] for line in out.getvalue().splitlines()]
+    assert messages == ["before the loop", *(f"loop {i}" for i in range(5)), "last on the loop", "after the loop"]
