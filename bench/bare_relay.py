@@ -1,6 +1,6 @@
 """A bare aiohttp pass-through: no auth, no limits, nothing recorded; what Python can do.
 
-    python bench/bare_relay.py PORT UPSTREAM_BASE_URL      (e.g. http://127.0.0.1:9100)
+    python -m bench.bare_relay PORT UPSTREAM_BASE_URL      (e.g. http://127.0.0.1:9100)
 """
 
 import sys

@@ -320,7 +320,7 @@ class Stack:
                 port = free_port()
                 self.bare_procs[profile.name] = self._spawn(
                     f"bare-{profile.name}",
-                    [sys.executable, str(REPO / "bench" / "bare_relay.py"), str(port), self.fakes[profile.name]],
+                    [sys.executable, "-m", "bench.bare_relay", str(port), self.fakes[profile.name]],
                     cpu=self.server_cpu,
                 )
                 self.bares[profile.name] = f"http://127.0.0.1:{port}"
