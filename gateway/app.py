@@ -22,6 +22,7 @@ from actors.cache import start_cache
 from actors.limiter import LimiterActor, LimiterHandle
 from actors.runtime import Supervisor
 from gateway import admin, cache_admin, chat, dataplane, openapi, ratelimit, telemetry
+from gateway.admission import ADMISSION, AdmissionGate, admission_middleware, default_max_in_flight
 from gateway.config import ConfigError, GatewayConfig, Settings
 from gateway.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
 from gateway.db import connect_pool, migrate
@@ -129,12 +130,19 @@ def build_data_app(state: GatewayState) -> web.Application:
         state.settings.cors_origins, allow_methods=("GET", "POST"), allow_headers=None,
         expose_headers=DATA_PLANE_EXPOSED,
     )
+    # Admission right after what observes and what answers CORS: a refused request is
+    # still counted and readable by a browser, and costs no other work.
+    gate = AdmissionGate(state.settings.max_in_flight or default_max_in_flight())
     # The body limit is enforced by our reader; aiohttp's own cap sits just above it.
     app = web.Application(
-        middlewares=[telemetry.observe, cors.middleware, error_middleware, ratelimit.ratelimit_middleware],
+        middlewares=[
+            telemetry.observe, cors.middleware, admission_middleware(gate), error_middleware,
+            ratelimit.ratelimit_middleware,
+        ],
         client_max_size=state.settings.body_limit + 1024,
     )
     app[STATE] = state
+    app[ADMISSION] = gate
     app.on_response_prepare.append(security_headers({}))
     app.on_response_prepare.append(cors.on_prepare)
     app.on_response_prepare.append(ratelimit.add_ratelimit_headers)

@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 
 from gateway import fake_llm, telemetry
+from gateway.admission import ShuttingDown, is_shutdown
 from gateway.cache import CacheTicket, replay
 from gateway.dispatch import dispatch
 from gateway.errors import (
@@ -216,6 +217,8 @@ async def _stream(
                 cache.collect(event)  # raw, as the provider sent it: stored once complete
             data = event_data(event)
             if data is not None and not tap.inspect(data):
+                if tap.malformed:
+                    raise _StreamCut("upstream sent an event that is not JSON")
                 continue
             if strip_usage_null and _USAGE_NULL in event:
                 event = event.replace(_USAGE_NULL, b"")
@@ -234,6 +237,18 @@ async def _stream(
             pass
     except ConnectionError:
         record.outcome = "cancelled"  # the client went away mid-write
+    except asyncio.CancelledError as exc:
+        if not is_shutdown(exc) or not response.prepared:
+            raise  # a client gone, or nothing sent yet (the admission gate answers 503)
+        # The shutdown's grace period is over: the client is still there, tell it why
+        # the stream ends (one error event, no [DONE]) rather than dropping the socket.
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        record.outcome = "cut"
+        record.error_type = "shutdown"
+        try:
+            await response.write(ShuttingDown("gateway shutting down: stream cut").to_event())
+        except ConnectionError:
+            pass
     finally:
         await reply.release()
         if tap.first_chunk_at is not None:

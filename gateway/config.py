@@ -71,6 +71,12 @@ class Settings:
     #: Full OTLP/HTTP traces URL (``.../v1/traces``); None: no spans are made at all.
     otel_endpoint: str | None = None
     shutdown_grace: float = 30.0
+    #: Requests in flight on /v1/* before 503 overloaded; None: sized from the open-file limit.
+    max_in_flight: int | None = None
+    #: A client connection that completes no request head for this long is closed (slowloris).
+    client_idle_timeout: float = 75.0
+    #: The file VENICE_API_KEY came from (re-read when it changes), if it came from one.
+    venice_api_key_file: Path | None = None
     cors_origins: tuple[str, ...] = ("*",)
     management_cors_origins: tuple[str, ...] = ()
     home: Path = field(default_factory=lambda: Path("~/.local/share/llm-gateway").expanduser())
@@ -97,6 +103,14 @@ def _env(environ: Mapping[str, str], name: str) -> str | None:
         except OSError as exc:
             raise ConfigError(f"{name}_FILE: cannot read {path}: {exc.strerror}") from None
     return None
+
+
+def _file_source(environ: Mapping[str, str], name: str) -> Path | None:
+    """The ``NAME_FILE`` path when ``NAME`` itself is unset, so the value can be re-read."""
+    if environ.get(name) not in (None, ""):
+        return None
+    path = environ.get(f"{name}_FILE")
+    return Path(path) if path else None
 
 
 def _addr(environ: Mapping[str, str], name: str, default: str) -> tuple[str, int]:
@@ -211,6 +225,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         otel_service_name=env.get("OTEL_SERVICE_NAME") or "llm-gateway",
         otel_endpoint=_otlp_traces_url(env),
         shutdown_grace=_number(env, "SHUTDOWN_GRACE_SECONDS", 30.0, integer=False, minimum=0),
+        max_in_flight=_number(env, "MAX_IN_FLIGHT", 0, integer=True, minimum=1) or None,
+        client_idle_timeout=_number(env, "CLIENT_IDLE_TIMEOUT_SECONDS", 75.0, integer=False, minimum=0.1),
+        venice_api_key_file=_file_source(env, "VENICE_API_KEY"),
         cors_origins=_origins(env, "CORS_ALLOWED_ORIGINS", "*"),
         management_cors_origins=management_cors,
         home=Path(home_raw).expanduser() if home_raw else Settings().home,
@@ -245,6 +262,9 @@ class ProviderConfig:
     #: May a call that timed out after it was sent be sent again (it may have been billed)?
     retry_on_timeout: bool = True
     headers: tuple[tuple[str, str], ...] = ()
+    #: Where ``api_key`` was read from, if a file: providers re-read it when it changes,
+    #: so a rotated key takes effect without a restart (gateway/providers/credentials.py).
+    api_key_file: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,8 +378,17 @@ class GatewayConfig:
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
-def _interpolate(value: Any, environ: Mapping[str, str], path: str) -> Any:
+def _interpolate(
+    value: Any, environ: Mapping[str, str], path: str, files: dict[str, Path] | None = None
+) -> Any:
+    """``${NAME}`` substituted throughout; ``files`` learns which whole values came from a
+    ``NAME_FILE`` (by config path), so those can be re-read later."""
     if isinstance(value, str):
+        whole = _VAR.fullmatch(value)
+        if whole is not None and files is not None:
+            source = _file_source(environ, whole.group(1))
+            if source is not None:
+                files[path] = source
 
         def sub(m: re.Match[str]) -> str:
             name = m.group(1)
@@ -372,9 +401,9 @@ def _interpolate(value: Any, environ: Mapping[str, str], path: str) -> Any:
 
         return _VAR.sub(sub, value)
     if isinstance(value, dict):
-        return {k: _interpolate(v, environ, f"{path}.{k}") for k, v in value.items()}
+        return {k: _interpolate(v, environ, f"{path}.{k}", files) for k, v in value.items()}
     if isinstance(value, list):
-        return [_interpolate(v, environ, f"{path}[{i}]") for i, v in enumerate(value)]
+        return [_interpolate(v, environ, f"{path}[{i}]", files) for i, v in enumerate(value)]
     return value
 
 
@@ -423,13 +452,23 @@ class _Section:
         return str(value)
 
 
-def _provider(name: str, raw: Any, settings: Settings) -> ProviderConfig:
+def _provider(name: str, raw: Any, settings: Settings, key_file: Path | None = None) -> ProviderConfig:
     s = _Section(
         raw,
         f"providers.{name}",
-        ("type", "base_url", "api_key", "connect_timeout_seconds", "timeout_seconds",
+        ("type", "base_url", "api_key", "api_key_file", "connect_timeout_seconds", "timeout_seconds",
          "idle_timeout_seconds", "max_retries", "retry_on_timeout", "headers"),
     )
+    api_key = s.text("api_key")
+    explicit_file = s.text("api_key_file")
+    if explicit_file is not None:
+        if api_key is not None:
+            raise ConfigError(f"providers.{name}.api_key_file: set api_key or api_key_file, not both")
+        key_file = Path(explicit_file)
+        try:
+            api_key = key_file.read_text().strip() or None
+        except OSError as exc:
+            raise ConfigError(f"providers.{name}.api_key_file: cannot read {explicit_file}: {exc.strerror}") from None
     type_ = s.choice("type", "openai", PROVIDER_TYPES)
     base_url = s.text("base_url", "https://api.anthropic.com" if type_ == "anthropic" else None)
     if type_ != "mock" and not base_url:
@@ -445,7 +484,8 @@ def _provider(name: str, raw: Any, settings: Settings) -> ProviderConfig:
         name=name,
         type=type_,
         base_url=(base_url or "").rstrip("/"),
-        api_key=s.text("api_key"),
+        api_key=api_key,
+        api_key_file=key_file,
         connect_timeout=s.num("connect_timeout_seconds", 10.0, minimum=0.001),
         timeout=s.num("timeout_seconds", None, minimum=0.001),
         idle_timeout=s.num("idle_timeout_seconds", None, minimum=0.001),
@@ -586,7 +626,7 @@ def default_config(settings: Settings) -> GatewayConfig:
     if settings.venice_api_key:
         provider = ProviderConfig(
             name="venice", type="openai", base_url=settings.venice_base_url.rstrip("/"),
-            api_key=settings.venice_api_key,
+            api_key=settings.venice_api_key, api_key_file=settings.venice_api_key_file,
         )
     else:
         provider = ProviderConfig(name="mock", type="mock")
@@ -604,12 +644,16 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
     except (OSError, yaml.YAMLError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"{settings.config_path}: {first}") from None
-    raw = _interpolate(raw, env, "config")
+    key_files: dict[str, Path] = {}
+    raw = _interpolate(raw, env, "config", key_files)
     top = _Section(raw, "config", ("providers", "models", "circuit_breaker", "rate_limits", "cache"))
     providers_raw = top.raw.get("providers") or {}
     if not isinstance(providers_raw, dict) or not providers_raw:
         raise ConfigError("providers: expected a non-empty mapping")
-    providers = {name: _provider(name, p, settings) for name, p in providers_raw.items()}
+    providers = {
+        name: _provider(name, p, settings, key_files.get(f"config.providers.{name}.api_key"))
+        for name, p in providers_raw.items()
+    }
     models_raw = top.raw.get("models") or []
     if not isinstance(models_raw, list) or not models_raw:
         raise ConfigError("models: expected a non-empty list")

@@ -1,9 +1,11 @@
 """Run both planes until SIGINT/SIGTERM, then shut down in order.
 
-Order (after uvicorn): stop accepting on both planes, let in-flight requests and
-streams finish for up to ``SHUTDOWN_GRACE_SECONDS`` (then cancel them), then stop the
-actors, last-started first, so billing drains after everything that tells it. A second
-signal skips the wait.
+Order (after uvicorn): stop accepting on the data plane and close its idle keep-alive
+connections, let in-flight requests and streams finish for up to
+``SHUTDOWN_GRACE_SECONDS``, then end what is left (a stream gets one error event, a
+request not yet answered a 503 ``shutting_down``: see :mod:`gateway.admission`), then
+stop the management plane and the actors, last-started first, so billing drains after
+everything that tells it. A second signal skips the wait.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from gateway.admission import ADMISSION, AdmissionGate, raise_open_file_limit
 from gateway.app import DATA_SERVER_OPTIONS, build_data_app, build_management_app, gateway_state
 from gateway.config import GatewayConfig, Settings
 from gateway.db import embedded_database_url
@@ -29,6 +32,8 @@ log = logging.getLogger("gateway.server")
 
 #: SIGTERM: the orchestrator's stop; SIGINT: Ctrl-C. Both drain; a second one forces.
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: After the grace period: how long aborted streams get to write their error event.
+ABORT_SECONDS = 2.0
 
 
 def resolve_database_url(settings: Settings) -> tuple[str, bool]:
@@ -70,6 +75,7 @@ async def serve(
 
     for sig in HANDLED_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
+    raise_open_file_limit()
 
     async with gateway_state(settings, config, dsn, run_migrations=migrate) as state:
         if embedded:
@@ -77,11 +83,15 @@ async def serve(
                 print(f"seeded development key: {DEV_KEY}", flush=True)
             else:
                 print(f"development key: {DEV_KEY}", flush=True)
+        data_app = build_data_app(state)
         data_runner = web.AppRunner(
-            build_data_app(state),
+            data_app,
             handle_signals=False,
             shutdown_timeout=settings.shutdown_grace,
             access_log=None,
+            # aiohttp closes a connection that completes no request head within this
+            # (from its start, or since its last answer): bounds slowloris and idle sockets.
+            keepalive_timeout=settings.client_idle_timeout,
             **DATA_SERVER_OPTIONS,  # type: ignore[arg-type]
         )
         mgmt_runner = web.AppRunner(
@@ -106,11 +116,27 @@ async def serve(
             )
             await stop.wait()
             state.draining = True
+            await _drain(data_runner, data_app[ADMISSION], settings.shutdown_grace)
         finally:
             # One by one, data plane first: clients drain while operators can still look.
             await data_runner.cleanup()
             await mgmt_runner.cleanup()
     log.info("stopped")
+
+
+async def _drain(runner: web.AppRunner, gate: AdmissionGate, grace: float) -> None:
+    """Stop taking requests, wait up to ``grace`` for those in flight, then end the rest."""
+    gate.draining = True  # a request on a kept-alive connection now gets 503 shutting_down
+    for site in list(runner.sites):
+        await site.stop()
+    if runner.server is not None:
+        runner.server.pre_shutdown()  # idle keep-alive connections close now, busy ones after
+    if gate.in_flight:
+        log.info("waiting up to %gs for %d request(s) in flight", grace, gate.in_flight)
+    if await gate.wait_idle(grace):
+        return
+    log.warning("grace period over: ending %d request(s) still in flight", gate.abort())
+    await gate.wait_idle(ABORT_SECONDS)
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

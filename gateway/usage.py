@@ -88,6 +88,7 @@ class StreamTap:
         "done",
         "finish_reasons",
         "first_chunk_at",
+        "malformed",
         "response_id",
         "response_model",
         "text_chars",
@@ -103,6 +104,8 @@ class StreamTap:
         self.text_chars = 0
         self.chunks = 0
         self.done = False
+        #: A data payload was neither JSON nor [DONE]: the relay ends the stream with an error.
+        self.malformed = False
         self.first_chunk_at: float | None = None
         self._saw_usage = False
         #: The delivered text, kept only when content capture is on (CAPTURE_GENAI_CONTENT).
@@ -119,7 +122,8 @@ class StreamTap:
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return True
+            self.malformed = True
+            return False
         if not isinstance(obj, dict):
             return True
         if self.response_id is None:

@@ -81,6 +81,7 @@ class AnthropicProvider(Provider):
     """Speaks the Messages API to ``base_url`` (``/v1/messages``, ``/v1/models``)."""
 
     system = "anthropic"
+    key_header = ("x-api-key", "{}")
 
     def __init__(
         self, config: ProviderConfig, session: aiohttp.ClientSession, *, request_timeout: float
@@ -96,8 +97,7 @@ class AnthropicProvider(Provider):
             "anthropic-version": ANTHROPIC_VERSION,
             **dict(config.headers),
         }
-        if config.api_key:
-            self._headers["x-api-key"] = config.api_key
+        # x-api-key is added per call by keyed_headers(), so a rotated key file takes effect.
         self._address = urlsplit(config.base_url).hostname
 
     @property
@@ -105,7 +105,7 @@ class AnthropicProvider(Provider):
         return self._address
 
     async def list_models(self) -> list[str]:
-        return await fetch_model_ids(self._session, self._models_url, self._headers)
+        return await fetch_model_ids(self._session, self._models_url, self.keyed_headers(self._headers))
 
     async def chat(
         self,
@@ -116,7 +116,8 @@ class AnthropicProvider(Provider):
         timeouts: Timeouts | None = None,
     ) -> UpstreamReply:
         payload = orjson.dumps(to_messages_request(body, stream=stream))
-        send_headers = {**self._headers, **headers} if headers else self._headers
+        keyed = self.keyed_headers(self._headers)
+        send_headers = {**keyed, **headers} if headers else keyed
         with map_transport_errors():
             resp = await self._session.post(
                 self._messages_url,

@@ -19,6 +19,8 @@ import aiohttp
 import orjson
 
 from gateway.config import ProviderConfig
+from gateway.providers.credentials import Credential
+from gateway.sse import EventTooLarge
 
 __all__ = [
     "Provider",
@@ -61,6 +63,8 @@ def _translated(exc: BaseException) -> ProviderError | None:
         return UpstreamConnectError(str(exc) or type(exc).__name__)
     if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
         return UpstreamTimeoutError("upstream timed out")
+    if isinstance(exc, EventTooLarge):
+        return UpstreamProtocolError(f"upstream stream broken: {exc}")
     if isinstance(exc, aiohttp.ClientPayloadError):
         return UpstreamProtocolError(f"upstream body broken: {exc}")
     if isinstance(exc, aiohttp.ClientError | ConnectionError):
@@ -157,10 +161,16 @@ class Provider:
     system: str = "openai"
     #: Whether :meth:`embeddings` is served; dispatch passes over deployments that are not.
     serves_embeddings: bool = False
+    #: The header this wire sends the key in, and how the value is written.
+    key_header: tuple[str, str] = ("Authorization", "Bearer {}")
 
     def __init__(self, config: ProviderConfig, *, request_timeout: float) -> None:
         self.config = config
         self.name = config.name
+        #: The provider key; re-read from its file when rotated (see credentials.py).
+        self.credential = Credential(config.api_key, config.api_key_file, provider=config.name)
+        self._keyed_for: str | None = None
+        self._keyed: dict[str, str] = {}
         self.request_timeout = config.timeout or request_timeout
         self.idle_timeout = config.idle_timeout or request_timeout
         #: What a call gets when its route group sets no timeouts of its own.
@@ -194,6 +204,20 @@ class Provider:
     def address(self) -> str | None:
         """Host of the provider, for ``server.address``."""
         return None
+
+    def keyed_headers(self, base: Mapping[str, str]) -> dict[str, str]:
+        """``base`` plus the current key; rebuilt only when the key changed (rotation).
+
+        ``base`` must be the same mapping on every call of one provider.
+        """
+        key = self.credential.current()
+        if key is not self._keyed_for or not self._keyed:
+            self._keyed_for = key
+            self._keyed = dict(base)
+            if key:
+                name, form = self.key_header
+                self._keyed[name] = form.format(key)
+        return self._keyed
 
     async def close(self) -> None:
         """Release what the provider holds beyond the shared session."""

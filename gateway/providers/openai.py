@@ -17,6 +17,7 @@ from gateway.config import ProviderConfig
 from gateway.providers.base import (
     Provider,
     Timeouts,
+    UpstreamProtocolError,
     UpstreamReply,
     client_timeout,
     fetch_model_ids,
@@ -40,9 +41,8 @@ class OpenAIProvider(Provider):
         self._session = session
         self._chat_url = f"{config.base_url}/chat/completions"
         self._embeddings_url = f"{config.base_url}/embeddings"
+        # The key is added per call by keyed_headers(), so a rotated key file takes effect.
         self._headers: dict[str, str] = {"Content-Type": "application/json", **dict(config.headers)}
-        if config.api_key:
-            self._headers["Authorization"] = f"Bearer {config.api_key}"
         self._whole_timeout = client_timeout(self.timeouts, stream=False)
         self._stream_timeout = client_timeout(self.timeouts, stream=True)
         self._address = urlsplit(config.base_url).hostname
@@ -71,13 +71,14 @@ class OpenAIProvider(Provider):
         )
 
     async def list_models(self) -> list[str]:
-        return await fetch_model_ids(self._session, f"{self.config.base_url}/models", self._headers)
+        return await fetch_model_ids(self._session, f"{self.config.base_url}/models", self.keyed_headers(self._headers))
 
     async def _post(
         self, url: str, data: bytes, *, stream: bool, headers: Mapping[str, str],
         timeouts: Timeouts | None = None,
     ) -> UpstreamReply:
-        send_headers = {**self._headers, **headers} if headers else self._headers
+        keyed = self.keyed_headers(self._headers)
+        send_headers = {**keyed, **headers} if headers else keyed
         if timeouts is None:
             timeout = self._stream_timeout if stream else self._whole_timeout
         else:
@@ -99,7 +100,27 @@ class OpenAIProvider(Provider):
             resp.close()
             raise
         resp.release()
+        if resp.status < 300:
+            _check_whole_answer(payload, content_type, stream=stream)
         return UpstreamReply(status=resp.status, headers=resp.headers, body=payload)
+
+
+def _check_whole_answer(payload: bytes, content_type: str, *, stream: bool) -> None:
+    """A 2xx answer must be what was asked for; anything else is the provider's failure.
+
+    Relaying an HTML page or half a JSON document with our 200 would hand the client a
+    broken answer it cannot tell from a good one: fail it (502 after retries) instead.
+    """
+    if stream:
+        raise UpstreamProtocolError(
+            f"upstream answered {content_type.split(';')[0] or 'no content type'} instead of an event stream"
+        )
+    try:
+        answer = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        raise UpstreamProtocolError("upstream answered a body that is not JSON") from None
+    if not isinstance(answer, dict):
+        raise UpstreamProtocolError("upstream answered JSON that is not an object")
 
 
 async def _events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
