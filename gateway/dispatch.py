@@ -33,6 +33,8 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+import orjson
+
 from actors.breaker import DEFAULT_COOLDOWN_SECONDS, Admission, BreakerHandle, Outcome
 from gateway import telemetry
 from gateway.config import ModelGroup
@@ -286,13 +288,22 @@ async def _first_event(reply: UpstreamReply) -> bytes:
     """Read a stream's first event before anything is relayed (so failover stays possible)."""
     assert reply.events is not None
     try:
-        return await anext(reply.events)
+        first = await anext(reply.events)
     except StopAsyncIteration:
         await reply.release()
         raise UpstreamProtocolError("upstream ended the stream before its first event") from None
     except BaseException:
         await reply.release()
         raise
+    data = event_data(first)
+    if data is not None and data != b"[DONE]":
+        try:
+            orjson.loads(data)
+        except orjson.JSONDecodeError:
+            # Still nothing relayed: fail here, so the call may be retried or fail over.
+            await reply.release()
+            raise UpstreamProtocolError("upstream's first stream event is not JSON") from None
+    return first
 
 
 def _watch(reply: UpstreamReply, first: bytes, deployment: str, breaker: BreakerHandle) -> None:

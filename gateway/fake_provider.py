@@ -12,8 +12,8 @@ and ``GET /v1/models``.  Failures are scripted through ``POST /_fake/script``
 ``DELETE`` clears it); ``GET /_fake/stats`` reports what was received and
 ``POST /_fake/reset`` zeroes stats and script.  A step may hold ``status``
 (with ``retry_after``), ``delay_ms``, ``hang``, ``cut_after_chunks``, ``garbage``
-(``"json"``, ``"content_type"`` or ``"huge_line"``), ``chunks`` and
-``chunk_delay_ms``.  Requests to ``/_fake/*`` are not counted in the stats.
+(``"json"``, ``"content_type"`` or ``"huge_line"``, whose size ``line_bytes`` sets),
+``chunks`` and ``chunk_delay_ms``.  Requests to ``/_fake/*`` are not counted in the stats.
 """
 
 from __future__ import annotations
@@ -63,6 +63,7 @@ _STEP_KEYS: Final[frozenset[str]] = frozenset(
         "garbage",
         "chunks",
         "chunk_delay_ms",
+        "line_bytes",
     }
 )
 _MAX_BODY_BYTES: Final[int] = 64 * 1024 * 1024
@@ -249,6 +250,8 @@ def _validate_step(step: Any) -> str | None:
         return "hang must be a boolean"
     if "garbage" in step and step["garbage"] not in _GARBAGE_KINDS:
         return f"garbage must be one of {sorted(_GARBAGE_KINDS)}"
+    if "line_bytes" in step and not (is_int(step["line_bytes"]) and 1 <= step["line_bytes"] <= _MAX_BODY_BYTES):
+        return "line_bytes must be a positive integer (the size of a huge_line)"
     return None
 
 
@@ -271,7 +274,7 @@ def _status_response(wire: _Wire, step: Mapping[str, Any]) -> web.Response:
 
 
 def _garbage_response(
-    wire: _Wire, kind: str, body: Mapping[str, Any], stream: bool, state: FakeState
+    wire: _Wire, kind: str, body: Mapping[str, Any], stream: bool, state: FakeState, line_bytes: int | None = None
 ) -> web.Response:
     """Answer a scripted garbage response of the given kind with status 200."""
     if kind == "content_type":
@@ -290,8 +293,8 @@ def _garbage_response(
             body=prefix + b'data: {"choices": [{"delta":\n\n' + tail,
             content_type="text/event-stream",
         )
-    # huge_line: one ~4 MB line, a valid chunk / message with a huge text.
-    huge = "x" * _HUGE_LINE_BYTES
+    # huge_line: one ~4 MB line (or ``line_bytes``), a valid chunk / message with a huge text.
+    huge = "x" * int(line_bytes or _HUGE_LINE_BYTES)
     response_id = f"chatcmpl-fake-{next(state.ids)}"
     if wire.anthropic:
         delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": huge}}
@@ -383,7 +386,7 @@ async def _answer(request: web.Request, wire: _Wire) -> web.StreamResponse:
     stream = body.get("stream") is True
     garbage = step.get("garbage")
     if garbage is not None:
-        return _garbage_response(wire, str(garbage), body, stream, state)
+        return _garbage_response(wire, str(garbage), body, stream, state, step.get("line_bytes"))
     n = next(state.ids)
     chunks = step.get("chunks", config.chunks)
     if not stream:
