@@ -36,26 +36,6 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
-class _OneLineReconnects(logging.Filter):
-    """asyncpg's pool logs every failed reconnect with a full traceback; an outage is an
-    expected condition, so say it in one line (the exception's type and message)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None:
-            exc = record.exc_info[1]
-            record.msg = f"{record.getMessage()}: {type(exc).__name__}: {exc}"
-            record.args = None
-            record.exc_info = None
-            record.exc_text = None
-        return True
-
-
-def _quiet_pool_logs() -> None:
-    pool_log = logging.getLogger("asyncpg.pool")
-    if not any(isinstance(f, _OneLineReconnects) for f in pool_log.filters):
-        pool_log.addFilter(_OneLineReconnects())
-
-
 class DatabaseUnavailable(RuntimeError):
     """The database could not be reached."""
 
@@ -80,7 +60,6 @@ def migrations_dir() -> Path:
 
 async def connect_pool(dsn: str, *, min_size: int = 2, max_size: int = 10, timeout: float = 5.0) -> asyncpg.Pool:
     """A pool whose failures to connect come out as DatabaseUnavailable."""
-    _quiet_pool_logs()
     try:
         pool = await asyncpg.create_pool(
             dsn, min_size=min_size, max_size=max_size, timeout=timeout, command_timeout=30

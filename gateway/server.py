@@ -23,6 +23,7 @@ from gateway.app import DATA_SERVER_OPTIONS, build_data_app, build_management_ap
 from gateway.config import GatewayConfig, Settings
 from gateway.db import embedded_database_url
 from gateway.keys import DEV_KEY, KeyStore
+from gateway.logfilters import install_log_filters
 
 __all__ = ["resolve_database_url", "run", "serve"]
 
@@ -76,6 +77,7 @@ async def serve(
     for sig in HANDLED_SIGNALS:
         loop.add_signal_handler(sig, on_signal, sig)
     raise_open_file_limit()
+    install_log_filters()
 
     async with gateway_state(settings, config, dsn, run_migrations=migrate) as state:
         if embedded:
