@@ -24,6 +24,7 @@ from gateway.dispatch import dispatch
 from gateway.errors import (
     GatewayError,
     InvalidRequest,
+    RequestTimeout,
     RequestTooLarge,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -59,12 +60,18 @@ def bearer_token(request: web.Request) -> str | None:
 
 
 async def read_json_body(request: web.Request, limit: int) -> dict[str, Any]:
-    """The request's JSON object; 413 over ``limit`` bytes, 400 if not a JSON object."""
+    """The request's JSON object; 413 over ``limit`` bytes, 400 if not a JSON object,
+    408 if it does not arrive within ``CLIENT_IDLE_TIMEOUT_SECONDS`` (a slow-body client
+    must not hold a request slot for ever)."""
     if request.content_length is not None and request.content_length > limit:
         raise RequestTooLarge(f"request body over {limit} bytes")
-    # Whole body: content.read(n) returns what has arrived so far, not n bytes. aiohttp's
-    # own cap (client_max_size, just above the limit) answers 413 for a chunked giant.
-    raw = await request.read()
+    try:
+        async with asyncio.timeout(request.app[STATE].settings.client_idle_timeout):
+            # Whole body: content.read(n) returns what has arrived so far, not n bytes. aiohttp's
+            # own cap (client_max_size, just above the limit) answers 413 for a chunked giant.
+            raw = await request.read()
+    except TimeoutError:
+        raise RequestTimeout() from None
     if len(raw) > limit:
         raise RequestTooLarge(f"request body over {limit} bytes")
     try:

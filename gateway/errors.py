@@ -3,6 +3,7 @@
     GatewayError                    any error the gateway answers itself
     ├── InvalidRequest              400 invalid_request_error (code varies)
     ├── RequestTooLarge             413 request_too_large
+    ├── RequestTimeout              408 request_timeout
     ├── AuthenticationFailed        401 invalid_api_key
     ├── BudgetExceeded              402 budget_exceeded
     ├── ModelNotAllowed             403 model_not_allowed
@@ -46,6 +47,7 @@ __all__ = [
     "NotFound",
     "Overloaded",
     "RateLimited",
+    "RequestTimeout",
     "RequestTooLarge",
     "ServiceUnavailable",
     "UpstreamTimeout",
@@ -116,6 +118,15 @@ class RequestTooLarge(GatewayError):
     type = "invalid_request_error"
     code = "request_too_large"
     default_message = "request body too large"
+
+
+class RequestTimeout(GatewayError):
+    """The client did not finish sending its body within ``CLIENT_IDLE_TIMEOUT_SECONDS``."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+    default_message = "request body not received in time"
 
 
 class AuthenticationFailed(GatewayError):

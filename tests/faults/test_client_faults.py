@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import resource
 import socket
 import time
@@ -313,3 +314,60 @@ async def test_thousands_of_idle_keep_alive_connections_do_not_starve_traffic(
     finally:
         for _, writer in idle:
             writer.transport.abort()
+
+
+# ----------------------------------------------------------------------------- slow bodies
+async def _send_in_pieces(port: int, head: bytes, pieces: list[bytes], pause: float) -> tuple[int, bytes, float]:
+    """Send ``head`` then each piece ``pause`` apart; the status, body and seconds taken."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    started = time.monotonic()
+    try:
+        writer.write(head)
+        for piece in pieces:
+            await asyncio.sleep(pause)
+            writer.write(piece)
+            await writer.drain()
+        head_part = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout=30)
+        took = time.monotonic() - started  # to the answer (the socket may linger after)
+        length = re.search(rb"(?i)content-length: *(\d+)", head_part)
+        body = await reader.readexactly(int(length.group(1))) if length else b""
+    finally:
+        writer.transport.abort()
+    return int(head_part.split(b" ")[1]), body, took
+
+
+def _chat_head(key: str, length: int) -> bytes:
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {key}\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+async def test_a_body_sent_in_pieces_is_read_whole_and_one_that_never_ends_is_a_408(
+    start_gateway: Any, fake: FakeUpstream, api_key: str
+) -> None:
+    """Fault: a client sends its body slowly, in three pieces 0.3 s apart; another sends a
+    tenth of what its Content-Length promised and then nothing.
+
+    Visible: the slow but complete body is read whole and answered 200 (not taken for
+    truncated JSON); the unfinished one gets a 408 ``request_timeout`` in the contract's
+    shape once ``CLIENT_IDLE_TIMEOUT_SECONDS`` (here 1.5 s) have passed, so it cannot
+    hold a request slot for ever; the gateway serves others meanwhile. No ledger row for
+    the 408 (refused before any work).
+    """
+    gw = await start_gateway(fake, env={"CLIENT_IDLE_TIMEOUT_SECONDS": "1.5"})
+    body = orjson.dumps(chat_body("a body that arrives in three pieces"))
+    third = len(body) // 3
+    status, raw, _ = await _send_in_pieces(
+        gw.port, _chat_head(api_key, len(body)), [body[:third], body[third: 2 * third], body[2 * third:]], 0.3
+    )
+    assert status == 200, raw[:300]
+
+    stuck = asyncio.ensure_future(_send_in_pieces(gw.port, _chat_head(api_key, 1000), [b'{"model": "x",'], 0.05))
+    async with aiohttp.ClientSession() as session:
+        meanwhile = await chat(session, gw.url, api_key)
+    status, raw, took = await stuck
+    assert_contract_answer(meanwhile, allowed={200})
+    assert status == 408, raw[:300]
+    assert orjson.loads(raw)["error"]["code"] == "request_timeout"
+    assert took < 6, took
