@@ -22,10 +22,11 @@ import asyncio
 import logging
 import resource
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.errors import Overloaded, ServiceUnavailable
 
@@ -161,6 +162,16 @@ class AdmissionGate:
         for task in tasks:
             task.cancel(SHUTDOWN)
         return len(tasks)
+
+    def metric_families(self) -> Iterator[Metric]:
+        """``gateway_admission_shed_total`` and ``gateway_admission_limit``, read at scrape
+        time (a 503 in ``gateway_requests_total`` may also be an open circuit)."""
+        shed = CounterMetricFamily(
+            "gateway_admission_shed", "Requests refused with 503 overloaded at the in-flight bound."
+        )
+        shed.add_metric([], self.shed)
+        yield shed
+        yield GaugeMetricFamily("gateway_admission_limit", "MAX_IN_FLIGHT: requests admitted at once.", value=self.limit)
 
     def _note_shed(self) -> None:
         self.shed += 1

@@ -143,6 +143,7 @@ def build_data_app(state: GatewayState) -> web.Application:
     )
     app[STATE] = state
     app[ADMISSION] = gate
+    state.metrics.watch(gate.metric_families)
     app.on_response_prepare.append(security_headers({}))
     app.on_response_prepare.append(cors.on_prepare)
     app.on_response_prepare.append(ratelimit.add_ratelimit_headers)

@@ -36,6 +36,9 @@ async def test_requests_past_the_bound_get_a_fast_503_and_health_still_answers(
     assert [r.status for r in await asyncio.gather(*slow)] == [200, 200]
     assert (await gw.data.post("/v1/chat/completions", json=chat_body(), headers=auth(api_key))).status == 200
     assert gw.data.app[ADMISSION].shed == 1 and gw.data.app[ADMISSION].in_flight == 0
+    exposition = await (await gw.management.get("/metrics")).text()
+    assert "gateway_admission_shed_total 1.0" in exposition
+    assert "gateway_admission_limit 2.0" in exposition
 
 
 async def test_draining_refuses_new_work_and_the_abort_ends_streams_with_one_error_event(
