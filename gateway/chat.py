@@ -134,9 +134,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         if stream:
             return await _stream(request, state, route, body, record, started, cache)
         return await _whole(state, route, body, record, cache)
-    except asyncio.CancelledError:
+    except asyncio.CancelledError as exc:
         record.outcome = "cancelled"
-        record.status = record.status or 499
+        # 499: the client went away; 503: the shutdown ended it (the admission gate answers so).
+        record.status = record.status or (503 if is_shutdown(exc) else 499)
         raise
     except GatewayError as exc:
         record.status = exc.status

@@ -293,18 +293,46 @@ class Journal:
         self._size = start + len(data)
 
     async def seal(self) -> Segment | None:
-        """Commit, then close the active segment so it can be shipped; None if empty."""
+        """Commit, then close the active segment so it can be shipped; None if empty.
+
+        The segment is detached *before* its last lines are written: an event appended
+        while the disk works (appends never wait) goes to a new segment, so the sealed
+        one holds exactly the lines it counts. If the write fails, the segment is
+        reattached (with whatever was appended meanwhile) and retried by the next commit.
+        """
         async with self._io_lock:
-            await self._commit_locked()
             segment = self._active
             if segment is None:
                 return None
             self._active = None
+            count = len(self._buffer)
+            try:
+                if count:
+                    data = b"".join(self._buffer[:count])
+                    await asyncio.get_running_loop().run_in_executor(None, self._write_sync, segment.path, data)
+                    del self._buffer[:count]
+                    self.commits += 1
+            except BaseException:
+                self._reattach(segment)
+                raise
+            if not self._buffer:
+                self._has_data.clear()
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
             self._sealed.append(segment)
             return segment
+
+    def _reattach(self, segment: Segment) -> None:
+        """Make ``segment`` active again after a failed seal, absorbing any newer one
+        (its lines are still buffered behind the segment's own, and not yet on disk)."""
+        newer, self._active = self._active, segment
+        if newer is not None:
+            segment.lines += newer.lines
+            for k, v in newer.key_spend.items():
+                segment.key_spend[k] = segment.key_spend.get(k, 0.0) + v
+            for s, v in newer.subject_spend.items():
+                segment.subject_spend[s] = segment.subject_spend.get(s, 0.0) + v
 
     # -- shipping ---------------------------------------------------------------------
     def sealed(self) -> list[Segment]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import uuid
 from pathlib import Path
 
@@ -136,3 +138,63 @@ async def test_an_event_after_close_is_written_at_once(tmp_path: Path) -> None:
     reopened = Journal.open(tmp_path)
     assert [x for s in reopened.sealed() for x in Journal.read(s)] == [late]
     reopened.close()
+
+
+async def test_an_event_appended_while_a_segment_is_being_sealed_is_not_stranded(tmp_path: Path) -> None:
+    """Found by the fault suite: an append while seal() waits on the disk used to count in
+    the segment being sealed but stay in the buffer, with no active segment to write it
+    to, so every later commit failed (and close() dropped it)."""
+    journal = Journal.open(tmp_path)
+    first, late = line(1), line(2)
+    journal.append(first, KEY, SUBJECT, 0.5)
+    writing, release = threading.Event(), threading.Event()
+    real_write = journal._write_sync
+
+    def slow_write(path: Path, data: bytes) -> None:
+        writing.set()
+        release.wait(5)
+        real_write(path, data)
+
+    journal._write_sync = slow_write  # type: ignore[method-assign]
+    sealing = asyncio.ensure_future(journal.seal())
+    await asyncio.to_thread(writing.wait, 5)
+    journal.append(late, KEY, SUBJECT, 0.25)  # arrives while the sealed segment is written
+    release.set()
+    sealed = await sealing
+    journal._write_sync = real_write  # type: ignore[method-assign]
+    assert sealed is not None and Journal.read(sealed) == [first] and sealed.lines == 1
+    assert await journal.commit() == 1  # the late event, in a segment of its own
+    following = await journal.seal()
+    assert following is not None and Journal.read(following) == [late] and following.lines == 1
+    assert journal.unshipped_spend() == ({KEY: 0.75}, {SUBJECT: 0.75})
+    journal.close()
+
+
+async def test_a_failed_seal_keeps_every_event_for_the_next_try(tmp_path: Path) -> None:
+    journal = Journal.open(tmp_path)
+    first, late = line(1), line(2)
+    journal.append(first, KEY, SUBJECT, 0.5)
+    writing, release = threading.Event(), threading.Event()
+    real_write = journal._write_sync
+
+    def failing_write(path: Path, data: bytes) -> None:
+        writing.set()
+        release.wait(5)
+        raise OSError(28, "No space left on device")
+
+    journal._write_sync = failing_write  # type: ignore[method-assign]
+    sealing = asyncio.ensure_future(journal.seal())
+    await asyncio.to_thread(writing.wait, 5)
+    journal.append(late, KEY, SUBJECT, 0.25)
+    release.set()
+    try:
+        await sealing
+        raise AssertionError("the disk error must reach the caller")
+    except OSError:
+        pass
+    journal._write_sync = real_write  # type: ignore[method-assign]
+    assert journal.buffered == 2 and journal.pending_events == 2
+    sealed = await journal.seal()
+    assert sealed is not None and Journal.read(sealed) == [first, late] and sealed.lines == 2
+    assert journal.unshipped_spend() == ({KEY: 0.75}, {SUBJECT: 0.75})
+    journal.close()

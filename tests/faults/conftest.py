@@ -1,15 +1,15 @@
-"""Fixtures of the fault suite: a gateway process in front of the fake provider, and a
-cuttable proxy in front of Redis (PostgreSQL's is ``pg_proxy`` in tests/conftest.py)."""
+"""Fixtures of the fault suite: a gateway process in front of the fake provider.
+
+Outage proxies come from tests/conftest.py: ``pg_proxy`` (with ``via_proxy``) and
+``redis_proxy`` (with ``redis_via``)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from tests.chaos import TcpProxy
 from tests.conftest import FakeUpstream, config_for
 
 #: The limiter's per-IP flood guard would count every fault case's burst from 127.0.0.1
@@ -31,18 +31,3 @@ async def start_gateway(process_factory: Callable[..., Any]) -> Callable[..., An
         return await process_factory(env=dict(env or {}), config_yaml=fault_config(fake, **extra))
 
     return start
-
-
-@pytest.fixture
-async def redis_proxy(redis_url: str) -> AsyncIterator[TcpProxy]:
-    """A cuttable TCP proxy in front of the test Redis (never stop the shared server)."""
-    parts = urlsplit(redis_url)
-    proxy = await TcpProxy.start(parts.hostname or "127.0.0.1", parts.port or 6379)
-    yield proxy
-    await proxy.close()
-
-
-def redis_through(redis_url: str, proxy: TcpProxy) -> str:
-    """``redis_url`` rewritten to go through ``proxy``."""
-    parts = urlsplit(redis_url)
-    return urlunsplit((parts.scheme, f"127.0.0.1:{proxy.port}", parts.path, parts.query, ""))

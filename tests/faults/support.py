@@ -17,7 +17,6 @@ from typing import Any
 import aiohttp
 import asyncpg
 import orjson
-import pytest
 
 from tests.conftest import auth, chat_body, sse_payloads
 
@@ -26,7 +25,9 @@ __all__ = [
     "assert_contract_answer",
     "assert_error_shape",
     "assert_ledger_exactly_once",
+    "assert_no_ledger_rows",
     "chat",
+    "ledger_rows",
     "ledger_table_exists",
     "rss_kib",
     "stream_end",
@@ -136,6 +137,19 @@ def assert_contract_answer(answer: Answer, *, allowed: set[int] | None = None) -
         assert isinstance(answer.json(), dict)
 
 
+async def ledger_rows(pool: asyncpg.Pool, request_ids: list[str]) -> dict[str, asyncpg.Record]:
+    """The ledger row of each request id (call after :func:`assert_ledger_exactly_once`)."""
+    rows = await pool.fetch(f"SELECT * FROM {LEDGER_TABLE} WHERE request_id = ANY($1)", request_ids)
+    return {r["request_id"]: r for r in rows}
+
+
+async def assert_no_ledger_rows(pool: asyncpg.Pool, request_ids: list[str], *, settle: float = 0.5) -> None:
+    """Calls refused before any work leave no row (checked after shipping had time)."""
+    await asyncio.sleep(settle)
+    count = await pool.fetchval(f"SELECT count(*) FROM {LEDGER_TABLE} WHERE request_id = ANY($1)", request_ids)
+    assert count == 0, f"{count} ledger row(s) for calls refused before any work"
+
+
 async def ledger_table_exists(pool: asyncpg.Pool) -> bool:
     return bool(await pool.fetchval("SELECT to_regclass($1) IS NOT NULL", LEDGER_TABLE))
 
@@ -146,11 +160,10 @@ async def assert_ledger_exactly_once(
     """Every request id has exactly one ledger row, once shipping has caught up.
 
     Polls (bounded by ``within`` seconds) until each id is there, then checks none is
-    there twice. Skips, saying why, while the ledger table does not exist yet: the
-    fault's client-visible half has been checked by then.
+    there twice (a row is keyed by the gateway's own call id, so a doubled event would
+    show as two rows with one request id).
     """
-    if not await ledger_table_exists(pool):
-        pytest.skip(f"ledger invariant not checked: no {LEDGER_TABLE} table yet (billing not merged)")
+    assert await ledger_table_exists(pool), f"no {LEDGER_TABLE} table: the billing migration did not run"
     ids = sorted(set(request_ids))
     assert len(ids) == len(request_ids), "request ids must be unique per call"
     loop = asyncio.get_running_loop()

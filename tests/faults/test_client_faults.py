@@ -23,7 +23,13 @@ from aiohttp.test_utils import TestServer
 
 from tests.conftest import FakeUpstream, auth, chat_body, config_for
 from tests.faults.conftest import NO_IP_GUARD
-from tests.faults.support import assert_contract_answer, assert_ledger_exactly_once, chat, rss_kib
+from tests.faults.support import (
+    assert_contract_answer,
+    assert_ledger_exactly_once,
+    chat,
+    ledger_rows,
+    rss_kib,
+)
 
 
 async def _until(predicate: Any, within: float, every: float = 0.05) -> bool:
@@ -73,6 +79,8 @@ async def test_client_gone_before_the_first_chunk_cancels_the_upstream(
         after = await chat(session, gw.url, api_key, stream=True)
     assert after.status == 200 and after.stream_end == "done"
     await assert_ledger_exactly_once(db_pool, ["f-gone-early", after.request_id])
+    row = (await ledger_rows(db_pool, ["f-gone-early"]))["f-gone-early"]
+    assert (row["outcome"], row["status"], row["completion_tokens"]) == ("cancelled", 499, 0)
 
 
 async def _received(fake: FakeUpstream, n: int) -> bool:

@@ -14,7 +14,13 @@ from typing import Any
 import aiohttp
 import asyncpg
 
-from tests.faults.support import Answer, assert_contract_answer, assert_ledger_exactly_once, chat
+from tests.faults.support import (
+    Answer,
+    assert_contract_answer,
+    assert_ledger_exactly_once,
+    assert_no_ledger_rows,
+    chat,
+)
 
 IN_FLIGHT = 8
 OFFERED_PER_SECOND = 80
@@ -82,7 +88,4 @@ async def test_three_times_capacity_is_shed_fast_and_the_gateway_recovers(
         f"(p99 {_p99([timings[a.request_id] for a in shed]):.3f}s)"
     )
     await assert_ledger_exactly_once(db_pool, [a.request_id for a in [*accepted, *recovered]])
-    leaked = await db_pool.fetchval(
-        "SELECT count(*) FROM usage_ledger WHERE request_id = ANY($1)", [a.request_id for a in shed]
-    )
-    assert leaked == 0
+    await assert_no_ledger_rows(db_pool, [a.request_id for a in shed])

@@ -23,6 +23,7 @@ from tests.faults.support import (
     assert_error_shape,
     assert_ledger_exactly_once,
     chat,
+    ledger_rows,
 )
 
 NO_RETRIES = {"UPSTREAM_MAX_RETRIES": "0"}
@@ -97,6 +98,10 @@ async def test_provider_hang_is_a_504_for_whole_calls_and_streams(
         await asyncio.sleep(0.05)
     assert (await fake.stats())["requests_cancelled"] == 2  # the gateway let go of both
     await assert_ledger_exactly_once(db_pool, [a.request_id for a in [*hung, after]])
+    rows = await ledger_rows(db_pool, [a.request_id for a in hung])
+    assert {(r["status"], r["outcome"], r["prompt_tokens"] + r["completion_tokens"]) for r in rows.values()} == {
+        (504, "upstream_error", 0)
+    }
 
 
 async def test_slow_trickle_is_relayed_as_it_comes_and_a_silence_past_the_idle_bound_ends_it(
@@ -190,6 +195,8 @@ async def test_garbage_with_200_is_an_upstream_error_never_relayed_as_an_answer(
             assert not stream or answer.stream_end == "done"
             answers.append(answer)
     await assert_ledger_exactly_once(db_pool, [a.request_id for a in answers])
+    rows = await ledger_rows(db_pool, [a.request_id for a in answers])
+    assert [rows[a.request_id]["status"] for a in answers] == [502, 502, 502, 502, 200, 200]
 
 
 async def test_an_sse_line_of_several_megabytes_is_relayed_and_one_past_the_bound_is_refused(

@@ -5,7 +5,6 @@ grace period long enough, and one too short), and SIGKILL mid-traffic then a res
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import signal
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ import asyncpg
 import pytest
 
 from tests.conftest import FakeUpstream, auth, chat_body
-from tests.faults.support import Answer, assert_contract_answer, assert_ledger_exactly_once, chat
+from tests.faults.support import Answer, assert_contract_answer, assert_ledger_exactly_once, chat, ledger_rows
 
 STREAMS = 100
 
@@ -124,12 +123,14 @@ async def test_sigterm_past_the_grace_period_ends_each_stream_with_an_error_even
     assert code == 0, gw.log()
     assert took < 15, took  # grace 1 s + abort 2 s + actors; generous
     await assert_ledger_exactly_once(db_pool, [a.request_id for a in [*answers, *whole]])
+    rows = await ledger_rows(db_pool, [a.request_id for a in [*answers, *whole]])
+    for answer in answers:
+        row = rows[answer.request_id]
+        if answer.stream_end == "error":  # cut by the shutdown, with what it had delivered
+            assert (row["outcome"], row["error_type"], row["usage_estimated"]) == ("cut", "shutdown", True), dict(row)
+    assert {(rows[a.request_id]["outcome"], rows[a.request_id]["status"]) for a in whole} == {("cancelled", 503)}
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("actors.billing") is None,
-    reason="nothing to replay: the billing journal is not merged yet",
-)
 async def test_sigkill_during_traffic_then_restart_replays_the_journal_once(
     process_factory: Any, fake_factory: Any, api_key: str, db_pool: asyncpg.Pool, tmp_path: Path
 ) -> None:
