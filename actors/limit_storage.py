@@ -20,6 +20,7 @@ this module gives them three storages and one small wrapper:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hashlib
 import inspect
 import math
@@ -88,6 +89,11 @@ class LocalStorage(MemoryStorage):
     sweep ended, and each sweep walks every key: under load that is one full walk per
     event-loop turn. This subclass sweeps at most once per ``SWEEP_SECONDS``; reads
     already ignore expired entries, so only memory use depends on the sweep.
+
+    Every operation also completes without suspending (the limiter decides memory
+    windows in the caller's task and relies on it): uncontended locks never wait, and
+    this sweep holds no lock across an ``await``, unlike the library's, which bisects
+    moving-window event lists in a thread while holding the key's lock.
     """
 
     SWEEP_SECONDS = 1.0
@@ -103,6 +109,23 @@ class LocalStorage(MemoryStorage):
             return
         self._next_sweep = now + self.SWEEP_SECONDS
         await super()._MemoryStorage__schedule_expiry()  # type: ignore[misc]
+
+    # Replaces the library's sweep (same effect, no thread hop, no lock held while waiting).
+    async def _MemoryStorage__expire_events(self) -> None:
+        now = time.time()
+        for key, events in list(self.events.items()):
+            # Events are kept newest first; drop those whose expiry has passed.
+            cutoff = bisect.bisect_left(events, -now, key=lambda event: -event.expiry)
+            if events[:cutoff]:
+                self.events[key] = events[:cutoff]
+            else:
+                self.events.pop(key, None)
+                self.locks.pop(key, None)
+        for key, expiry in list(self.expirations.items()):
+            if expiry <= now:
+                self.storage.pop(key, None)
+                self.expirations.pop(key, None)
+                self.locks.pop(key, None)
 
 
 # --------------------------------------------------------------------------- Redis

@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 from limits import RateLimitItem, RateLimitItemPerSecond, parse
@@ -68,6 +68,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("gateway.limiter")
+
+R = TypeVar("R")
 
 SCOPES = ("ip", "requests", "tokens", "concurrency")
 
@@ -309,6 +311,50 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         )
 
     # -- messages -----------------------------------------------------------------------
+    def decide_now(self, msg: CheckIp | Acquire) -> Decision | None:
+        """Decide ``msg`` in the caller's task when every window it touches is in memory.
+
+        Memory decisions do no I/O and never suspend (see :class:`LocalStorage`), and
+        asyncio runs one callback at a time, so deciding here is as atomic as deciding
+        in the actor's loop, which itself awaits these same operations without
+        yielding; it saves the two hops of an ask. Returns None when the decision needs
+        a remote storage (or the actor is not running): the caller asks instead, and
+        the actor keeps owning every remote decision.
+        """
+        shared, requests = self._shared, self._requests
+        if shared is None or requests is None or not self.running:
+            return None
+        if isinstance(msg, CheckIp):
+            windows = shared.current()
+            if not windows.immediate:
+                return None
+            return self._settle_ip(_run_now(self._decide_ip(windows, msg.ip)))
+        requests_windows, shared_windows = requests.current(), shared.current()
+        if not (requests_windows.immediate and shared_windows.immediate):
+            return None
+        local_slot = self._reserve_local_slot(msg)
+        outcome = _run_now(self._decide_key(requests_windows, shared_windows, msg, local_slot))
+        return self._settle_key(msg, outcome, local_slot)
+
+    def release_now(self, msg: Release) -> bool:
+        """Apply a release in the caller's task when it touches memory only; False: post it.
+
+        Done where the decisions are made so a release is seen by the very next
+        decision, as it was when both went through the mailbox (releases first).
+        """
+        if msg.abandoned or not self.running or self._shared is None:
+            return False
+        held = self._held.get(msg.permit_id)
+        if held is not None and held.where != "local":
+            return False
+        charge = msg.tokens > 0 and bool(msg.tokens_per_minute)
+        if charge and not self._shared.current().immediate:
+            return False
+        self._free_slot(msg.permit_id)
+        if charge:
+            _run_now(self._charge(msg))
+        return True
+
     async def receive(self, msg: CheckIp | Acquire) -> Any:
         assert self._shared is not None and self._requests is not None
         if isinstance(msg, CheckIp):
@@ -707,6 +753,16 @@ async def _quietly(op: Coroutine[Any, Any, Any]) -> None:
         log.debug("rate-limit compensation failed: %r", exc)
 
 
+def _run_now(coro: Coroutine[Any, Any, R]) -> R:
+    """Run a coroutine that never suspends (memory windows) to its end, here and now."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("a memory rate-limit window suspended: it must decide without waiting")
+
+
 def _copy_outcome(source: asyncio.Future[Decision], target: asyncio.Future[Decision]) -> None:
     if target.done():
         return
@@ -796,7 +852,10 @@ class LimiterHandle:
         """The flood guard, before authentication and any database work."""
         if not self._actor.guards_ip:
             return
-        decision: Decision = await self._ref.ask(CheckIp(ip))
+        msg = CheckIp(ip)
+        decision = self._actor.decide_now(msg)
+        if decision is None:
+            decision = await self._ref.ask(msg)
         if not decision.allowed:
             raise RateLimited(decision.message, retry_after=decision.retry_after)
 
@@ -811,20 +870,25 @@ class LimiterHandle:
             tokens_per_minute=policy.tokens_per_minute,
             max_concurrent=policy.max_concurrent,
         )
-        try:
-            decision: Decision = await self._ref.ask(msg)
-        except BaseException:
-            # The ask gave up but the message may still be granted: have the grant undone.
-            self._post(Release(msg.permit_id, msg.api_key_id, None, 0, abandoned=True))
-            raise
+        now = self._actor.decide_now(msg)
+        if now is not None:
+            decision = now
+        else:
+            try:
+                decision = await self._ref.ask(msg)
+            except BaseException:
+                # The ask gave up but the message may still be granted: have the grant undone.
+                self._post(Release(msg.permit_id, msg.api_key_id, None, 0, abandoned=True))
+                raise
         if not decision.allowed:
             raise RateLimited(decision.message, retry_after=decision.retry_after, headers=dict(decision.headers))
         return Permit(self, msg, decision)
 
     def _post(self, msg: Release) -> None:
         # Releases take the internal lane: unbounded and served first, because a shed
-        # release would leak a concurrency slot for good.
-        self._actor.post_internal(msg)
+        # release would leak a concurrency slot for good. Memory-only ones apply at once.
+        if not self._actor.release_now(msg):
+            self._actor.post_internal(msg)
 
     @property
     def degraded(self) -> Mapping[str, str]:

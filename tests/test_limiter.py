@@ -278,6 +278,11 @@ async def test_a_grant_whose_asker_gave_up_is_undone(limiter_factory: Any, verif
     for _ in range(5):
         task = asyncio.ensure_future(limiter.handle.acquire(key))
         await asyncio.sleep(0)
+        if storage == "memory":
+            # Memory decides in the caller's task without waiting: nothing to give up on.
+            assert task.done()
+            (await task).release()
+            continue
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
