@@ -32,7 +32,7 @@ from typing import Any
 
 import asyncpg
 import redis.asyncio as aioredis
-from limits import RateLimitItem
+from limits import RateLimitItem, RateLimitItemPerSecond
 from limits.aio.storage import MemoryStorage, SlidingWindowCounterSupport, Storage
 from limits.aio.storage.redis.bridge import RedisBridge
 from limits.aio.strategies import FixedWindowRateLimiter, RateLimiter, SlidingWindowCounterRateLimiter
@@ -43,6 +43,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 __all__ = [
     "STORAGE_ERRORS",
+    "KeyedItem",
     "LocalStorage",
     "PostgresWindowStorage",
     "RedisWindowStorage",
@@ -56,6 +57,30 @@ UNBOUNDED = 2**50
 STORAGE_ERRORS: tuple[type[BaseException], ...] = (
     RedisError, OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError,
 )
+
+
+class KeyedItem(RateLimitItemPerSecond):
+    """A per-second limit that remembers the storage key of each identifier tuple.
+
+    ``key_for`` is a pure function of the ids, but builds the key by escaping every
+    part: on a memory decision, where a request uses five keys, that was ~15 % of the
+    limiter's CPU. The memo is bounded (cleared when full: it only saves work).
+    """
+
+    __slots__ = ("_keys",)
+    MAX_KEYS = 4096
+
+    def __init__(self, amount: int, multiples: int | None = 1, namespace: str = "LIMITER") -> None:
+        super().__init__(amount, multiples, namespace)
+        self._keys: dict[tuple[Any, ...], str] = {}
+
+    def key_for(self, *identifiers: bytes | str | int | float) -> str:
+        key = self._keys.get(identifiers)
+        if key is None:
+            if len(self._keys) >= self.MAX_KEYS:
+                self._keys.clear()
+            key = self._keys[identifiers] = super().key_for(*identifiers)
+        return key
 
 
 #: Methods ``limits`` wraps (in ``__init_subclass__``) to translate storage errors.

@@ -38,10 +38,11 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
-from limits import RateLimitItem, RateLimitItemPerSecond, parse
+from limits import RateLimitItem, parse
 
 from actors.limit_storage import (
     STORAGE_ERRORS,
+    KeyedItem,
     LocalStorage,
     PostgresWindowStorage,
     RedisWindowStorage,
@@ -469,7 +470,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         if item is None:
             if len(self._items) > 10_000:
                 self._items.clear()
-            item = self._items[(amount, seconds)] = RateLimitItemPerSecond(amount, seconds)
+            item = self._items[(amount, seconds)] = KeyedItem(amount, seconds)
         return item
 
     def _reserve_local_slot(self, msg: Acquire) -> bool | None:
@@ -788,8 +789,8 @@ def _ip_items(settings: RateLimitSettings) -> tuple[RateLimitItem, ...]:
         return (rate,)
     period = rate.get_expiry()
     return (
-        RateLimitItemPerSecond(rate.amount + burst, period),
-        RateLimitItemPerSecond(rate.amount * 10, period * 10),
+        KeyedItem(rate.amount + burst, period),
+        KeyedItem(rate.amount * 10, period * 10),
     )
 
 
