@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, help="interleaved rounds of S1-S3 and S6, best kept (default 3, quick 1)")
     parser.add_argument("--targets", type=_targets, default=TARGETS, help="comma list of direct,bare,gateway")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to CPUs with taskset")
+    parser.add_argument("--gateway-workers", type=int, default=1, metavar="N",
+                        help="run the gateway as `serve --workers N` (unpinned; its CPU figures then cover "
+                             "the supervisor only: compare requests/s)")
     parser.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     parser.add_argument("--profile-seconds", type=_seconds, help="length of the profile (default 10, quick 2)")
     parser.add_argument("--no-hops", action="store_true", help="skip the actor hop measurements")
@@ -143,10 +146,11 @@ async def _run(args: argparse.Namespace) -> int:
         "scenarios_run": names,
         "targets": list(args.targets),
         "gateway_env": dict(args.gateway_env),
+        "gateway_workers": args.gateway_workers,
     }
     options = StackOptions(profiles=profiles, pin=not args.no_pin, redis_url=args.redis,
                            bare="bare" in args.targets, keep_logs=args.keep_logs,
-                           gateway_env=dict(args.gateway_env))
+                           gateway_env=dict(args.gateway_env), gateway_workers=args.gateway_workers)
     reports: list[ScenarioReport] = []
     profile: dict[str, Any] | None = None
     hops: dict[str, Any] | None = None

@@ -248,6 +248,8 @@ class StackOptions:
     keep_logs: bool = False
     #: Extra environment for the gateway (``--gateway-env LOG_LEVEL=warning``), for A/B runs.
     gateway_env: dict[str, str] = field(default_factory=dict)
+    #: ``serve --workers N``; with N > 1 the gateway is not pinned (its workers need every CPU).
+    gateway_workers: int = 1
 
 
 def _with_db(dsn: str, name: str) -> str:
@@ -345,8 +347,8 @@ class Stack:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
     # -- pieces ---------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str], *, cpu: int, env: dict[str, str] | None = None) -> Proc:
-        if self.pinned:
+    def _spawn(self, name: str, argv: list[str], *, cpu: int | None, env: dict[str, str] | None = None) -> Proc:
+        if self.pinned and cpu is not None:
             argv = ["taskset", "-c", str(cpu), *argv]
         log_path = self.workdir / f"{name}.log"
         with log_path.open("wb") as log:
@@ -437,7 +439,11 @@ class Stack:
             env["REDIS_URL"] = self.options.redis_url
         else:
             env.pop("REDIS_URL", None)
-        self.gateway = self._spawn("gateway", [sys.executable, "-m", "gateway", "serve"], cpu=self.server_cpu, env=env)
+        argv = [sys.executable, "-m", "gateway", "serve"]
+        workers = self.options.gateway_workers
+        if workers > 1:
+            argv += ["--workers", str(workers)]
+        self.gateway = self._spawn("gateway", argv, cpu=self.server_cpu if workers == 1 else None, env=env)
         self.gateway_url = f"http://127.0.0.1:{port}"
         self.management_url = f"http://127.0.0.1:{mport}"
         await self._wait_http(f"{self.gateway_url}/readyz", "gateway", timeout=30)
