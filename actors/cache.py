@@ -4,16 +4,20 @@ State it owns:
 
 * the in-memory LRU of entries, bounded by bytes (:class:`gateway.cache_store.ByteLRU`),
   published to handlers as a read-only view: a hit in memory costs no mailbox hop;
-* the semantic index (:class:`gateway.semantic.SemanticIndex`), published per partition
-  as immutable snapshots, bounded in vectors;
+* the semantic index: in PostgreSQL with pgvector when the database has the extension
+  (:class:`gateway.semantic_pg.PgVectorIndex`; shared by every replica, answers stored
+  with their vectors; writes, sweeps and purges run as spawned tasks), otherwise the
+  in-process :class:`gateway.semantic.SemanticIndex`, published per partition as
+  immutable snapshots, bounded in vectors;
 * with ``REDIS_URL``: the shared tier. Entries live under ``{prefix}:e:{key}`` with the
   group's TTL, so every replica serves every replica's answers; sets per subject and
   per group serve purges. Each store and purge is announced on ``{prefix}:events``;
   every replica subscribes and keeps the set of keys that exist in Redis (seeded by a
   SCAN when it subscribes). A miss is then decided by one dict lookup, with no Redis
   trip; only a key known to exist costs a GET. While not subscribed (start-up, lost
-  connection) every lookup asks Redis, so a hit is never missed for long. Semantic
-  vectors travel in the same announcements, so replicas share semantic hits too.
+  connection) every lookup asks Redis, so a hit is never missed for long. With the
+  in-process index, semantic vectors travel in the same announcements, so replicas
+  share semantic hits too (with pgvector the database already shares them).
 
 Handlers hold a :class:`CacheHandle`: ``ticket`` decides what a request may do (one dict
 lookup when its group has no cache), ``lookup`` finds a hit, ``store`` tells the actor.
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+import asyncpg
 import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -46,10 +51,11 @@ from gateway.cache import (
     request_material,
 )
 from gateway.cache_store import ByteLRU, CacheEntry, decode_entry, encode_entry
-from gateway.config import CachePolicy, CacheSettings, GatewayConfig
+from gateway.config import CachePolicy, CacheSettings, ConfigError, GatewayConfig
 from gateway.embedder import DeploymentEmbedder, Embedder, EmbedderBusy, LocalEmbedder
 from gateway.semantic import (
     Guard,
+    Match,
     SemanticIndex,
     final_user_text,
     guard_of,
@@ -57,6 +63,7 @@ from gateway.semantic import (
     vector_from_bytes,
     vector_to_bytes,
 )
+from gateway.semantic_pg import PgVectorIndex, PgVectorRow, open_pgvector_index
 
 __all__ = ["CacheActor", "CacheCounters", "CacheHandle", "Purge", "start_cache"]
 
@@ -74,6 +81,10 @@ MAX_REMOTE_KEYS = 1_000_000
 MAX_OUTBOX = 10_000
 #: Connections to Redis at most; a request waits for one up to REDIS_TIMEOUT.
 MAX_REDIS_CONNECTIONS = 64
+#: Fetching a matched answer's body from PostgreSQL (a hit, not a miss) gives up after this long.
+PG_ENTRY_TIMEOUT = 1.0
+#: A pgvector search left running past a miss's budget is bounded by this (asyncpg timeout).
+PG_SEARCH_TIMEOUT = 2.0
 
 
 # -- messages ----------------------------------------------------------------------------
@@ -138,6 +149,18 @@ class _RemoteStored:
     count: int
 
 
+@dataclass(frozen=True, slots=True)
+class _VectorsStored:
+    error: BaseException | None
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class _VectorsSwept:
+    error: BaseException | None
+    rows: int | None
+
+
 @dataclass(slots=True)
 class CacheCounters:
     """Running totals for metrics (observability reads them; nothing resets them)."""
@@ -157,6 +180,10 @@ class CacheCounters:
     remote_gets: int = 0
     remote_errors: int = 0
     similarity_sum: float = 0.0
+    #: Vectors written to the semantic index (in-process, or committed to pgvector).
+    vectors_stored: int = 0
+    #: pgvector writes, sweeps or purges that failed (the answers stay in the exact cache).
+    vector_errors: int = 0
 
     def as_dict(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
@@ -168,7 +195,10 @@ CacheMessage = Store | Adopt | Touch | Purge
 class CacheActor(Actor[CacheMessage]):
     name = "cache"
 
-    def __init__(self, settings: CacheSettings, redis_url: str | None, *, mailbox_size: int = 8192) -> None:
+    def __init__(
+        self, settings: CacheSettings, redis_url: str | None, *, mailbox_size: int = 8192,
+        pg_index: PgVectorIndex | None = None, index_reason: str = "",
+    ) -> None:
         self.mailbox_size = mailbox_size
         super().__init__()
         self.settings = settings
@@ -189,6 +219,13 @@ class CacheActor(Actor[CacheMessage]):
         #: Stores not yet shared: one writer sends them all in one pipeline (see _flush).
         self._outbox: list[Store] = []
         self._flushing = False
+        #: The shared vector index, when the database has pgvector (else None: in-process).
+        self.pg_index = pg_index
+        self._index_reason = index_reason
+        self._pg_outbox: list[PgVectorRow] = []
+        self._pg_flushing = False
+        self._pg_sweeping = False
+        self._pg_rows = 0  # as of the last sweep, plus what was stored since
 
     # -- published read-only state -------------------------------------------------------
     def semantic_snapshot(self, partition: str) -> Any:
@@ -200,7 +237,10 @@ class CacheActor(Actor[CacheMessage]):
     def sizes(self) -> dict[str, Any]:
         return {
             "entries": len(self._lru), "bytes": self._lru.bytes, "max_bytes": self._lru.max_bytes,
-            "vectors": len(self._index), "shared": self.redis is not None,
+            "vectors": self._pg_rows if self.pg_index is not None else len(self._index),
+            "semantic_index": "pgvector" if self.pg_index is not None else "memory",
+            "semantic_index_reason": self._index_reason,
+            "shared": self.redis is not None,
             "shared_keys_known": len(self._remote), "shared_index_live": self.remote_synced,
         }
 
@@ -259,6 +299,22 @@ class CacheActor(Actor[CacheMessage]):
                 self.counters.remote_errors += 1
                 log.warning("cache: could not share %d entries through Redis: %r", msg.count, msg.error)
             self._flush()
+        elif isinstance(msg, _VectorsStored):
+            self._pg_flushing = False
+            if msg.error is not None:
+                self.counters.vector_errors += 1
+                log.warning("cache: could not store %d vectors in PostgreSQL: %r", msg.count, msg.error)
+            else:
+                self.counters.vectors_stored += msg.count
+                self._pg_rows += msg.count
+            self._pg_flush()
+        elif isinstance(msg, _VectorsSwept):
+            self._pg_sweeping = False
+            if msg.error is not None:
+                self.counters.vector_errors += 1
+                log.warning("cache: could not sweep the pgvector index: %r", msg.error)
+            elif msg.rows is not None:
+                self._pg_rows = msg.rows
 
     # -- stores, evictions, purges ---------------------------------------------------------
     def _store(self, msg: Store) -> None:
@@ -266,7 +322,18 @@ class CacheActor(Actor[CacheMessage]):
         self.counters.stores += 1
         self._evicted(self._lru.put(entry))
         if msg.partition is not None and msg.vector is not None and msg.guard is not None:
-            self._index.add(entry.key, msg.partition, msg.vector, msg.guard, entry.expires_at)
+            if self.pg_index is not None:
+                self._pg_outbox.append(PgVectorRow(
+                    msg.partition, entry.key, entry.group, entry.scope, entry.subject, msg.guard, msg.vector,
+                    encode_entry(entry), entry.expires_at,
+                ))
+                if len(self._pg_outbox) > MAX_OUTBOX:
+                    del self._pg_outbox[0]
+                    self.counters.stores_dropped += 1
+                self._pg_flush()
+            else:
+                self._index.add(entry.key, msg.partition, msg.vector, msg.guard, entry.expires_at)
+                self.counters.vectors_stored += 1
         if self.redis is not None:
             self._remote[entry.key] = entry.expires_at
             self._outbox.append(msg)
@@ -283,10 +350,18 @@ class CacheActor(Actor[CacheMessage]):
         self._flushing = True
         self.spawn(self._remote_store(batch), lambda _r, err: _RemoteStored(err, len(batch)))
 
+    def _pg_flush(self) -> None:
+        """Write waiting vectors in one transaction; ones arriving meanwhile wait for the next."""
+        if self._pg_flushing or not self._pg_outbox or self.pg_index is None:
+            return
+        batch, self._pg_outbox = self._pg_outbox, []
+        self._pg_flushing = True
+        self.spawn(self.pg_index.insert(batch), lambda _r, err: _VectorsStored(err, len(batch)))
+
     def _evicted(self, keys: list[str]) -> None:
         self.counters.evictions += len(keys)
-        if self.redis is None:
-            # Without the shared tier an evicted answer is gone, and so is its vector.
+        if self.redis is None and self.pg_index is None:
+            # Without a shared tier an evicted answer is gone, and so is its vector.
             self._index.discard(keys)
 
     def _forget(self, keys: list[str]) -> int:
@@ -306,11 +381,11 @@ class CacheActor(Actor[CacheMessage]):
             memory = self._forget([msg.key])
         else:
             memory = self._forget(self._lru.select(subject=msg.subject, group=msg.group))
-        if self.redis is None:
+        if self.redis is None and self.pg_index is None:
             return {"memory": memory, "shared": 0}
         reply: asyncio.Future[dict[str, int]] = asyncio.get_running_loop().create_future()
         self.spawn(
-            self._remote_purge(msg),
+            self._shared_purge(msg),
             lambda n, err: _RemotePurged(reply, memory, None if err is not None else n),
         )
         return reply  # deferred: answered once Redis has been purged too
@@ -322,6 +397,9 @@ class CacheActor(Actor[CacheMessage]):
         self._index.expire(now)
         for key in [k for k, exp in self._remote.items() if exp <= now]:
             del self._remote[key]
+        if self.pg_index is not None and not self._pg_sweeping:
+            self._pg_sweeping = True
+            self.spawn(self.pg_index.sweep(), lambda rows, err: _VectorsSwept(err, rows))
 
     def _announced(self, data: bytes) -> None:
         try:
@@ -335,7 +413,7 @@ class CacheActor(Actor[CacheMessage]):
             key, expires = str(event["key"]), float(event["exp"])
             if len(self._remote) < MAX_REMOTE_KEYS:
                 self._remote[key] = expires
-            if event.get("p") and event.get("vec") and event.get("g"):
+            if event.get("p") and event.get("vec") and event.get("g") and self.pg_index is None:
                 vector = vector_from_bytes(base64.b64decode(event["vec"]))
                 self._index.add(key, event["p"], vector, Guard.from_json(event["g"]), expires)
         elif op == "purged":
@@ -358,7 +436,7 @@ class CacheActor(Actor[CacheMessage]):
             announce: dict[str, Any] = {
                 "op": "stored", "src": self._instance, "key": entry.key, "exp": entry.expires_at,
             }
-            if msg.partition is not None and msg.vector is not None and msg.guard is not None:
+            if msg.partition is not None and msg.vector is not None and msg.guard is not None and self.pg_index is None:
                 announce.update(p=msg.partition, g=msg.guard.to_json(),
                                 vec=base64.b64encode(vector_to_bytes(msg.vector)).decode())
             pipe.set(self.entry_key(entry.key), encode_entry(entry), px=ttl_ms)
@@ -369,6 +447,19 @@ class CacheActor(Actor[CacheMessage]):
                 pipe.pexpire(tag, ttl_ms, gt=True)
             pipe.publish(self._channel, orjson.dumps(announce))
         await pipe.execute()
+
+    async def _shared_purge(self, msg: Purge) -> int:
+        """Purge the pgvector rows (shared by every replica), then Redis; returns Redis' count."""
+        if self.pg_index is not None:
+            try:
+                await self.pg_index.purge(
+                    keys=[msg.key] if msg.key is not None else (), subject=msg.subject, group=msg.group,
+                    everything=msg.everything,
+                )
+            except (asyncpg.PostgresError, OSError) as exc:
+                self.counters.vector_errors += 1
+                log.warning("cache: could not purge the pgvector index: %r", exc)
+        return await self._remote_purge(msg) if self.redis is not None else 0
 
     async def _remote_purge(self, msg: Purge) -> int:
         assert self.redis is not None
@@ -637,10 +728,13 @@ class CacheHandle:
 
     async def _semantic(self, ticket: CacheTicket, now: float) -> CacheEntry | None:
         assert ticket.partition is not None and ticket.guard is not None
-        if not self._actor.semantic_snapshot(ticket.partition).keys:
+        pg = self._actor.pg_index
+        if pg is None and not self._actor.semantic_snapshot(ticket.partition).keys:
             # Nothing to compare with (replicas' vectors arrive here too): embed only to store.
             return None
         self.counters.semantic_lookups += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._wait  # embedding and search together: what a miss may wait
         ticket.vector = self._start_embedding(ticket.semantic_text or "")
         done, _ = await asyncio.wait({ticket.vector}, timeout=self._wait)
         if not done:
@@ -654,8 +748,14 @@ class CacheHandle:
                 self.counters.semantic_errors += 1
                 log.warning("cache: embedding failed: %s", error)
             return None
-        snapshot = self._actor.semantic_snapshot(ticket.partition)
-        match, best = snapshot.search(ticket.vector.result(), ticket.guard, ticket.policy.threshold, now)
+        if pg is not None:
+            found = await self._search_pg(pg, ticket, deadline - loop.time())
+            if found is None:
+                return None
+            match, best = found
+        else:
+            snapshot = self._actor.semantic_snapshot(ticket.partition)
+            match, best = snapshot.search(ticket.vector.result(), ticket.guard, ticket.policy.threshold, now)
         if best > 0.0:
             for listener in self.similarity_listeners:
                 listener(best, match is not None)
@@ -664,10 +764,50 @@ class CacheHandle:
         entry = self._usable(self._actor.view.get(match.key), ticket, now)
         if entry is None and self._actor.redis is not None:
             entry = self._usable(await self._fetch(match.key), ticket, now)
+        if entry is None and pg is not None:
+            entry = self._usable(await self._fetch_pg(pg, ticket.partition, match.key), ticket, now)
         if entry is not None:
             ticket.similarity = match.similarity
             self.counters.semantic_hits += 1
             self.counters.similarity_sum += match.similarity
+        return entry
+
+
+    async def _search_pg(
+        self, pg: PgVectorIndex, ticket: CacheTicket, budget: float
+    ) -> tuple[Match | None, float] | None:
+        """Search pgvector within what is left of the miss's budget; None: no answer in time."""
+        assert ticket.partition is not None and ticket.guard is not None and ticket.vector is not None
+        search = asyncio.ensure_future(
+            pg.search(ticket.partition, ticket.vector.result(), ticket.guard, ticket.policy.threshold,
+                      timeout=PG_SEARCH_TIMEOUT)
+        )
+        search.add_done_callback(_retrieve)
+        # Not cancelled on time-out: cancelling an asyncpg query resets its connection; the
+        # search ends on its own (bounded by PG_SEARCH_TIMEOUT) and the miss goes on now.
+        done, _ = await asyncio.wait({search}, timeout=max(budget, 0.0))
+        if not done:
+            self.counters.semantic_timeouts += 1
+            return None
+        error = search.exception()
+        if error is not None:
+            self.counters.semantic_errors += 1
+            log.warning("cache: pgvector search failed: %r", error)
+            return None
+        return search.result()
+
+    async def _fetch_pg(self, pg: PgVectorIndex, partition: str, key: str) -> CacheEntry | None:
+        """A matched answer another replica stored: its body is in the vector's row."""
+        try:
+            raw = await pg.entry(partition, key, timeout=PG_ENTRY_TIMEOUT)
+        except (asyncpg.PostgresError, OSError, TimeoutError) as exc:
+            self.counters.semantic_errors += 1
+            log.debug("cache: reading a matched answer from PostgreSQL failed: %r", exc)
+            return None
+        entry = decode_entry(raw) if raw is not None else None
+        if entry is not None:
+            with contextlib.suppress(ActorError):
+                self._ref.tell(Adopt(entry))
         return entry
 
 
@@ -683,11 +823,28 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
 
 async def start_cache(
     supervisor: Supervisor, config: GatewayConfig, redis_url: str | None, providers: Mapping[str, Any],
-    router: Any,
+    router: Any, *, pool: asyncpg.Pool | None = None,
 ) -> tuple[CacheHandle, Embedder | None]:
-    """Build the embedder a semantic group needs (warm), start the actor, return its handle."""
+    """Build the embedder a semantic group needs (warm), pick the vector index, start the actor.
+
+    The index is pgvector in ``pool``'s database when it has the extension (and
+    ``cache.semantic.index`` is not ``memory``), else in-process; ``index: pgvector``
+    without the extension stops start-up.
+    """
     embedder: Embedder | None = None
+    pg_index: PgVectorIndex | None = None
+    reason = "no semantic group"
+    semantic = config.cache.semantic
     if any(m.cache is not None and m.cache.mode == "semantic" for m in config.models):
+        if semantic.index == "memory":
+            reason = "cache.semantic.index is memory"
+        elif pool is None:
+            reason = "no database pool"
+        else:
+            pg_index, reason = await open_pgvector_index(pool, semantic.max_vectors)
+        if pg_index is None and semantic.index == "pgvector":
+            raise ConfigError(f"cache.semantic.index: pgvector is not usable: {reason}")
+        log.info("cache: semantic index %s (%s)", "pgvector" if pg_index is not None else "in-process", reason)
         name = config.cache.semantic.embedder
         if name == "local":
             local = LocalEmbedder()
@@ -696,6 +853,6 @@ async def start_cache(
         else:
             target = router.resolve(name).targets[0]
             embedder = DeploymentEmbedder(providers[target.provider], target.upstream_model)
-    actor = CacheActor(config.cache, redis_url)
+    actor = CacheActor(config.cache, redis_url, pg_index=pg_index, index_reason=reason)
     ref = await supervisor.start(actor)
     return CacheHandle(actor, ref, config, embedder), embedder

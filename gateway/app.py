@@ -90,7 +90,7 @@ async def gateway_state(
         limiter_ref = await supervisor.start(limiter_actor)
         providers = _providers(config, session, settings)
         router = Router(config)
-        cache, embedder = await start_cache(supervisor, config, settings.redis_url, providers, router)
+        cache, embedder = await start_cache(supervisor, config, settings.redis_url, providers, router, pool=pool)
         state = GatewayState(
             settings=settings,
             config=config,

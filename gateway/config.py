@@ -349,6 +349,9 @@ class SemanticSettings:
     embedder: str = "local"
     max_wait_ms: float = 10.0
     max_vectors: int = 10_000
+    #: Where vectors are searched: ``auto`` (pgvector when the database has the extension,
+    #: else in-process), ``memory`` (always in-process), ``pgvector`` (refuse to start without it).
+    index: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -559,7 +562,7 @@ def _cache_policy(raw: Any, path: str) -> CachePolicy:
 
 def _cache_settings(raw: Any, models: tuple[ModelGroup, ...]) -> CacheSettings:
     s = _Section(raw, "cache", ("max_bytes", "max_entry_bytes", "client_opt_in", "redis_prefix", "semantic"))
-    sem = _Section(raw.get("semantic") or {}, "cache.semantic", ("embedder", "max_wait_ms", "max_vectors"))
+    sem = _Section(raw.get("semantic") or {}, "cache.semantic", ("embedder", "max_wait_ms", "max_vectors", "index"))
     embedder = sem.text("embedder", "local")
     default, default_semantic = CacheSettings(), SemanticSettings()
     names = {m.name for m in models}
@@ -583,6 +586,7 @@ def _cache_settings(raw: Any, models: tuple[ModelGroup, ...]) -> CacheSettings:
             embedder=embedder,
             max_wait_ms=float(sem.num("max_wait_ms", default_semantic.max_wait_ms, minimum=0)),
             max_vectors=sem.num("max_vectors", default_semantic.max_vectors, integer=True, minimum=1),
+            index=sem.choice("index", default_semantic.index, ("auto", "memory", "pgvector")),
         ),
     )
 
