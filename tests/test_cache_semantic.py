@@ -182,7 +182,26 @@ async def test_an_embeddings_deployment_can_serve_the_vectors(
     await settle(gw, 1)
     assert gw.state.cache.stats()["vectors"] == 1
     assert gw.state.cache.stats()["embedder"] == "fake/mock-embedding"
+    # The shared test PostgreSQL has no pgvector: the in-process index, and it says why.
+    assert gw.state.cache.stats()["semantic_index"] == "memory"
+    assert gw.state.cache.stats()["semantic_index_reason"] == "the database has no pgvector extension"
     resp, _ = await ask(gw, api_key, "an unrelated question")
     assert resp.headers["x-gateway-cache"] == "miss"
     assert gw.state.cache.counters.semantic_lookups == 1
     assert (await fake.stats())["by_path"]["/v1/embeddings"] == 2
+
+
+async def test_index_pgvector_refuses_to_start_without_the_extension(
+    gateway_factory: Callable[..., Any], fake: FakeUpstream
+) -> None:
+    from gateway.config import ConfigError
+
+    config = cached_config(
+        fake.url, {"mode": "semantic"}, semantic={"embedder": "embedder", "index": "pgvector"},
+    )
+    import yaml
+
+    doc = yaml.safe_load(config)
+    doc["models"].insert(0, {"name": "embedder", "deployments": [{"provider": "fake", "model": "mock-embedding"}]})
+    with pytest.raises(ConfigError, match=r"cache\.semantic\.index: pgvector is not usable"):
+        await gateway_factory(config_yaml=yaml.safe_dump(doc))
