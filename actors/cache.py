@@ -255,6 +255,8 @@ class CacheActor(Actor[CacheMessage]):
             self.redis = aioredis.Redis(connection_pool=pool)
             self._tasks_started.append(loop.create_task(self._subscribe_forever()))
         self._tasks_started.append(loop.create_task(self._sweep_forever()))
+        if self.pg_index is not None:
+            self.post_internal("sweep")  # learn the shared table's size (and expire) right away
 
     async def on_stop(self) -> None:
         for task in self._tasks_started:
