@@ -212,3 +212,22 @@ async def test_the_table_is_bounded_by_max_vectors(
         await asyncio.sleep(0.01)
     assert {r["key"] for r in await _rows(database_url, group)} == set(keys[1:])  # the oldest went
     assert gw.state.cache.stats()["vectors"] == 2
+
+
+async def test_a_blocked_search_does_not_hold_a_miss_past_its_budget(
+    gateway_factory: Callable[..., Any], fake: FakeUpstream, api_key: str, database_url: str
+) -> None:
+    config, group = _config(fake, embedder="embedder", threshold=0.99)
+    doc = yaml.safe_load(config)
+    doc["cache"]["semantic"]["max_wait_ms"] = 500  # the fake embeds in a few ms; the search never answers
+    gw = await gateway_factory(config_yaml=yaml.safe_dump(doc))
+    blocker = await asyncpg.connect(database_url)
+    try:
+        async with blocker.transaction():
+            await blocker.execute("LOCK TABLE semantic_vectors IN ACCESS EXCLUSIVE MODE")
+            resp, _ = await ask(gw, api_key, "asked while the table is locked", model=group)
+            assert resp.headers["x-gateway-cache"] == "miss" and resp.status == 200
+            assert gw.state.cache.counters.semantic_timeouts == 1
+    finally:
+        await blocker.close()
+    await _vectors_stored(gw, 1)  # the write waited for the lock, then went through
