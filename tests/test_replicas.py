@@ -7,6 +7,7 @@ import asyncio
 import signal
 import time
 import uuid
+from decimal import Decimal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,10 @@ import pytest
 
 from tests.balancer import Nginx, nginx_available
 from tests.conftest import FakeUpstream, GatewayProcess, auth, chat_body, config_for, free_port
+
+
+#: USD per million tokens: a call here costs about 0.03 USD.
+PRICE = {"input_per_mtok": 1000.0, "output_per_mtok": 2000.0}
 
 
 @dataclass
@@ -31,8 +36,11 @@ async def cluster(process_factory: Any, fake_factory: Any, redis_url: str, tmp_p
     if nginx_available() is None:
         pytest.skip("nginx is not installed")
     fake: FakeUpstream = await fake_factory()
-    # Own Redis key prefix: parallel test runs share the Redis server.
-    config = config_for(fake.url, rate_limits={"key_prefix": f"replicas-{uuid.uuid4().hex[:8]}"})
+    # Own Redis key prefix: parallel test runs share the Redis server. Priced, so budgets spend.
+    config = config_for(
+        fake.url, rate_limits={"key_prefix": f"replicas-{uuid.uuid4().hex[:8]}"},
+        models=[{"name": "*", "deployments": [{"provider": "fake", "model": "*", "price": PRICE}]}],
+    )
     replicas = [await process_factory(env={"REDIS_URL": redis_url}, config_yaml=config) for _ in range(2)]
     nginx = Nginx(tmp_path / "nginx", free_port(), [r.port for r in replicas])
     nginx.start()
@@ -69,6 +77,32 @@ async def test_a_key_limit_is_counted_once_across_replicas(cluster: Cluster, key
         for replica in cluster.replicas:
             async with session.get(f"{replica.management_url}/metrics") as r:
                 assert 'route="/v1/chat/completions"' in await r.text()
+
+
+async def test_a_budget_is_shared_through_the_balancer(cluster: Cluster, key_factory: Any) -> None:
+    raw, _ = await key_factory(budget_usd=Decimal("0.05"), budget_period="day", rate_limit_requests=1000)
+    statuses: list[int] = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
+        # Calls go to either replica; spend reaches the other within about a second.
+        for _ in range(60):
+            async with session.post(f"{cluster.url}/v1/chat/completions", json=chat_body(), headers=auth(raw)) as r:
+                statuses.append(r.status)
+            if statuses[-2:] == [402, 402]:
+                break
+            await asyncio.sleep(0.05)
+        assert statuses[0] == 200 and statuses[-2:] == [402, 402], statuses
+        # Spent for good, on both replicas.
+        for replica in cluster.replicas:
+            for _ in range(60):
+                async with session.post(f"{replica.url}/v1/chat/completions", json=chat_body(), headers=auth(raw)) as r:
+                    status = r.status
+                if status == 402:
+                    break
+                await asyncio.sleep(0.05)
+            assert status == 402
+    # Two calls spend the budget; the other replica may serve a few more until its spend
+    # counters refresh (about a second: ~18 sequential calls here, half of them its own).
+    assert statuses.count(200) <= 2 + 18, statuses
 
 
 async def test_revocation_holds_on_every_replica_within_a_second(cluster: Cluster, key_factory: Any, db_pool: Any) -> None:
