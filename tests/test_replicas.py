@@ -7,9 +7,9 @@ import asyncio
 import signal
 import time
 import uuid
-from decimal import Decimal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,6 @@ import pytest
 
 from tests.balancer import Nginx, nginx_available
 from tests.conftest import FakeUpstream, GatewayProcess, auth, chat_body, config_for, free_port
-
 
 #: USD per million tokens: a call here costs about 0.03 USD.
 PRICE = {"input_per_mtok": 1000.0, "output_per_mtok": 2000.0}
