@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -116,7 +117,11 @@ async def serve(
                 f" and management plane on http://{settings.management_host}:{settings.management_port}",
                 flush=True,
             )
+            if worker_socket is not None:
+                orphan_watch = asyncio.get_running_loop().create_task(_stop_when_orphaned(stop))
             await stop.wait()
+            if worker_socket is not None:
+                orphan_watch.cancel()
             state.draining = True
             await _drain(data_runner, data_app[ADMISSION], settings.shutdown_grace)
         finally:
@@ -139,6 +144,21 @@ async def _drain(runner: web.AppRunner, gate: AdmissionGate, grace: float) -> No
         return
     log.warning("grace period over: ending %d request(s) still in flight", gate.abort())
     await gate.wait_idle(ABORT_SECONDS)
+
+
+async def _stop_when_orphaned(stop: asyncio.Event, interval: float = 1.0) -> None:
+    """A worker of ``serve --workers`` drains and exits if its supervisor dies.
+
+    A supervisor killed outright (SIGKILL, OOM) cannot pass SIGTERM on; without this its
+    workers would keep the port and the database connections forever.
+    """
+    parent = os.getppid()
+    while not stop.is_set():
+        await asyncio.sleep(interval)
+        if os.getppid() != parent:
+            log.warning("supervisor %d is gone: draining", parent)
+            stop.set()
+            return
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

@@ -107,3 +107,28 @@ def test_merged_exposition_labels_each_worker() -> None:
     samples = {tuple(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(merged) for s in f.samples}
     assert samples == {(("route", "/a"), ("worker", "0")): 2.0, (("route", "/a"), ("worker", "1")): 3.0}
     assert merged.count("# TYPE c_total counter") == 1
+
+
+async def test_workers_exit_when_the_supervisor_is_killed(process_factory: Any, fake_factory: Any) -> None:
+    fake: FakeUpstream = await fake_factory()
+    gw = await process_factory(config_yaml=config_for(fake.url), args=("--workers", "2"))
+    for _ in range(100):
+        if len(_children(gw.proc.pid)) == 2:
+            break
+        await asyncio.sleep(0.05)
+    workers = _children(gw.proc.pid)
+    assert len(workers) == 2
+    gw.signal(signal.SIGKILL)  # no chance to pass SIGTERM on
+    await asyncio.to_thread(gw.wait, 10)
+
+    def alive(pid: int) -> bool:
+        try:
+            return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+
+    for _ in range(200):  # each worker notices within a second, then drains
+        if not any(alive(pid) for pid in workers):
+            break
+        await asyncio.sleep(0.05)
+    assert not any(alive(pid) for pid in workers), "orphaned workers keep running"
