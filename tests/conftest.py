@@ -209,6 +209,20 @@ def config_for(fake_url: str, **extra: Any) -> str:
     return yaml.safe_dump(doc)
 
 
+def pair_config(first_url: str, second_url: str) -> str:
+    """YAML for model group ``pair``: deployment m1 on fake ``first``, then m2 on ``second``."""
+    return config_for(
+        first_url,
+        providers={
+            "first": {"type": "openai", "base_url": first_url, "api_key": "sk-first-secret-1"},
+            "second": {"type": "openai", "base_url": second_url, "api_key": "sk-second-secret-2"},
+        },
+        models=[{"name": "pair", "deployments": [
+            {"provider": "first", "model": "m1", "priority": 0}, {"provider": "second", "model": "m2", "priority": 1},
+        ]}],
+    )
+
+
 @dataclass
 class Gateway:
     """An in-process gateway: test clients for both planes over real loopback HTTP."""

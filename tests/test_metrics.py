@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway import fake_llm
 from gateway.metrics import MAX_MODEL_LABELS, TOKEN_BUCKETS, TTFT_BUCKETS, BoundedLabel, GatewayMetrics
 from gateway.usage import CallRecord, Usage
-from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for, sse_payloads
+from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for, pair_config, sse_payloads
 
 #: Contract §9: the names every gateway exposes.
 CONTRACT_NAMES = (
@@ -144,16 +144,7 @@ async def test_auth_failures_are_counted_by_reason(gateway: Gateway, key_factory
 
 async def test_retries_and_failovers_are_counted(gateway_factory: Any, fake_factory: Any, api_key: str) -> None:
     first, second = await fake_factory(), await fake_factory()
-    config = config_for(
-        first.url,
-        providers={
-            "first": {"type": "openai", "base_url": first.url, "api_key": "sk-first-secret-1"},
-            "second": {"type": "openai", "base_url": second.url, "api_key": "sk-second-secret-2"},
-        },
-        models=[{"name": "pair", "deployments": [
-            {"provider": "first", "model": "m1", "priority": 0}, {"provider": "second", "model": "m2", "priority": 1},
-        ]}],
-    )
+    config = pair_config(first.url, second.url)
     gw = await gateway_factory(env={"UPSTREAM_MAX_RETRIES": "1"}, config_yaml=config)
     # first: 503 then 503 again (retries exhausted, 5xx) → fail over to second.
     await first.script({"status": 503}, {"status": 503})

@@ -16,7 +16,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 from actors.runtime import Actor, Supervisor
 from gateway.config import load_settings
 from gateway.tracing import Tracing
-from tests.conftest import FakeUpstream, auth, chat_body, config_for, sse_payloads
+from tests.conftest import FakeUpstream, auth, chat_body, config_for, pair_config, sse_payloads
 from tests.otlp import OtlpReceiver, ReceivedSpan
 
 CLIENT_TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -126,16 +126,7 @@ async def test_retries_failovers_and_errors_on_the_span(
     gateway_factory: Any, fake_factory: Any, otlp: OtlpReceiver, api_key: str
 ) -> None:
     first, second = await fake_factory(), await fake_factory()
-    config = config_for(
-        first.url,
-        providers={
-            "first": {"type": "openai", "base_url": first.url, "api_key": "sk-first-secret-1"},
-            "second": {"type": "openai", "base_url": second.url, "api_key": "sk-second-secret-2"},
-        },
-        models=[{"name": "pair", "deployments": [
-            {"provider": "first", "model": "m1", "priority": 0}, {"provider": "second", "model": "m2", "priority": 1},
-        ]}],
-    )
+    config = pair_config(first.url, second.url)
     gw = await gateway_factory(env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "UPSTREAM_MAX_RETRIES": "1"}, config_yaml=config)
     await first.script({"status": 503}, {"status": 503})
     assert (await gw.data.post("/v1/chat/completions", json=chat_body(model="pair"), headers=auth(api_key))).status == 200

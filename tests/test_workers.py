@@ -24,6 +24,18 @@ def _children(pid: int) -> set[int]:
     return found
 
 
+async def _two_workers(process_factory: Any, fake: FakeUpstream) -> tuple[Any, set[int]]:
+    """A ``serve --workers 2`` process, once both of its workers exist."""
+    gw = await process_factory(config_yaml=config_for(fake.url), args=("--workers", "2"))
+    for _ in range(100):
+        if len(_children(gw.proc.pid)) == 2:
+            break
+        await asyncio.sleep(0.05)
+    workers = _children(gw.proc.pid)
+    assert len(workers) == 2
+    return gw, workers
+
+
 async def _until_both_workers_serve(management_url: str) -> None:
     async with aiohttp.ClientSession() as session:
         for _ in range(200):
@@ -50,13 +62,7 @@ async def test_two_workers_share_the_port_report_metrics_together_and_restart(
     process_factory: Any, fake_factory: Any, api_key: str
 ) -> None:
     fake: FakeUpstream = await fake_factory()
-    gw = await process_factory(config_yaml=config_for(fake.url), args=("--workers", "2"))
-    for _ in range(100):
-        if len(_children(gw.proc.pid)) == 2:
-            break
-        await asyncio.sleep(0.05)
-    workers = _children(gw.proc.pid)
-    assert len(workers) == 2
+    gw, workers = await _two_workers(process_factory, fake)
     await _until_both_workers_serve(gw.management_url)
 
     # New connections each time, so the kernel spreads them over both workers.
@@ -111,13 +117,7 @@ def test_merged_exposition_labels_each_worker() -> None:
 
 async def test_workers_exit_when_the_supervisor_is_killed(process_factory: Any, fake_factory: Any) -> None:
     fake: FakeUpstream = await fake_factory()
-    gw = await process_factory(config_yaml=config_for(fake.url), args=("--workers", "2"))
-    for _ in range(100):
-        if len(_children(gw.proc.pid)) == 2:
-            break
-        await asyncio.sleep(0.05)
-    workers = _children(gw.proc.pid)
-    assert len(workers) == 2
+    gw, workers = await _two_workers(process_factory, fake)
     gw.signal(signal.SIGKILL)  # no chance to pass SIGTERM on
     await asyncio.to_thread(gw.wait, 10)
 
