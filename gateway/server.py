@@ -36,6 +36,8 @@ log = logging.getLogger("gateway.server")
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 #: After the grace period: how long aborted streams get to write their error event.
 ABORT_SECONDS = 2.0
+#: Set by ``serve --workers`` for each worker: the supervisor's pid.
+SUPERVISOR_PID_ENV = "LLM_GATEWAY_SUPERVISOR_PID"
 
 
 def resolve_database_url(settings: Settings) -> tuple[str, bool]:
@@ -80,6 +82,31 @@ async def serve(
     raise_open_file_limit()
     install_log_filters()
 
+    # A worker watches its supervisor from its first moment, not once it serves: a
+    # supervisor killed while the worker still starts must not leave it orphaned.
+    serving = asyncio.Event()
+    main = loop.create_task(
+        _serve_until_stopped(settings, config, dsn, embedded, migrate, worker_socket, stop, serving, runners)
+    )
+    orphan_watch: asyncio.Task[None] | None = None
+    if worker_socket is not None:
+        orphan_watch = loop.create_task(_stop_when_orphaned(stop, main, serving, supervisor_pid()))
+    try:
+        await main
+    except asyncio.CancelledError:
+        if not (stop.is_set() and not serving.is_set()):
+            raise  # cancelled from outside, not by the orphan watch during start-up
+        log.warning("stopped while starting: the supervisor is gone")
+    finally:
+        if orphan_watch is not None:
+            orphan_watch.cancel()
+    log.info("stopped")
+
+
+async def _serve_until_stopped(
+    settings: Settings, config: GatewayConfig, dsn: str, embedded: bool, migrate: bool,
+    worker_socket: str | None, stop: asyncio.Event, serving: asyncio.Event, runners: list[web.AppRunner],
+) -> None:
     async with gateway_state(settings, config, dsn, run_migrations=migrate) as state:
         if embedded:
             if await KeyStore(state.pool).ensure(DEV_KEY, "development"):
@@ -117,18 +144,14 @@ async def serve(
                 f" and management plane on http://{settings.management_host}:{settings.management_port}",
                 flush=True,
             )
-            if worker_socket is not None:
-                orphan_watch = asyncio.get_running_loop().create_task(_stop_when_orphaned(stop))
+            serving.set()
             await stop.wait()
-            if worker_socket is not None:
-                orphan_watch.cancel()
             state.draining = True
             await _drain(data_runner, data_app[ADMISSION], settings.shutdown_grace)
         finally:
             # One by one, data plane first: clients drain while operators can still look.
             await data_runner.cleanup()
             await mgmt_runner.cleanup()
-    log.info("stopped")
 
 
 async def _drain(runner: web.AppRunner, gate: AdmissionGate, grace: float) -> None:
@@ -146,19 +169,35 @@ async def _drain(runner: web.AppRunner, gate: AdmissionGate, grace: float) -> No
     await gate.wait_idle(ABORT_SECONDS)
 
 
-async def _stop_when_orphaned(stop: asyncio.Event, interval: float = 1.0) -> None:
+def supervisor_pid() -> int:
+    """The pid of this worker's supervisor, as it handed it over (else the parent now).
+
+    Read from the environment rather than ``os.getppid()`` at some later moment: a
+    supervisor that died before that moment would leave pid 1 (or a subreaper) recorded
+    as the parent, and the worker would never notice it was orphaned.
+    """
+    handed = os.environ.get(SUPERVISOR_PID_ENV, "")
+    return int(handed) if handed.isdigit() else os.getppid()
+
+
+async def _stop_when_orphaned(
+    stop: asyncio.Event, main: asyncio.Task[None], serving: asyncio.Event, supervisor: int,
+    interval: float = 0.5,
+) -> None:
     """A worker of ``serve --workers`` drains and exits if its supervisor dies.
 
     A supervisor killed outright (SIGKILL, OOM) cannot pass SIGTERM on; without this its
-    workers would keep the port and the database connections forever.
+    workers would keep the port and the database connections forever. While the worker
+    still starts (nothing to drain yet) its start-up is cancelled outright.
     """
-    parent = os.getppid()
     while not stop.is_set():
-        await asyncio.sleep(interval)
-        if os.getppid() != parent:
-            log.warning("supervisor %d is gone: draining", parent)
+        if os.getppid() != supervisor:
+            log.warning("supervisor %d is gone: draining", supervisor)
             stop.set()
+            if not serving.is_set():
+                main.cancel()
             return
+        await asyncio.sleep(interval)
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:

@@ -34,6 +34,7 @@ from gateway.app import build_management_app, gateway_state
 from gateway.config import GatewayConfig, Settings
 from gateway.keys import DEV_KEY, KeyStore
 from gateway.metrics import CONTENT_TYPE
+from gateway.server import SUPERVISOR_PID_ENV
 
 __all__ = ["WorkerPool", "supervise_workers"]
 
@@ -76,7 +77,7 @@ class WorkerPool:
         worker.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "gateway", "serve", "--no-migrate",
             "--worker-socket", str(worker.socket),
-            env={**self.env, "LLM_GATEWAY_WORKER": str(worker.index)},
+            env={**self.env, "LLM_GATEWAY_WORKER": str(worker.index), SUPERVISOR_PID_ENV: str(os.getpid())},
         )
         log.info("worker %d started (pid %d)", worker.index, worker.proc.pid)
 

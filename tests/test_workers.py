@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.server import SUPERVISOR_PID_ENV
 from gateway.workers import merge_expositions
 from tests.conftest import FakeUpstream, auth, chat_body, config_for
 
@@ -118,6 +119,7 @@ def test_merged_exposition_labels_each_worker() -> None:
 async def test_workers_exit_when_the_supervisor_is_killed(process_factory: Any, fake_factory: Any) -> None:
     fake: FakeUpstream = await fake_factory()
     gw, workers = await _two_workers(process_factory, fake)
+    await _until_both_workers_serve(gw.management_url)
     gw.signal(signal.SIGKILL)  # no chance to pass SIGTERM on
     await asyncio.to_thread(gw.wait, 10)
 
@@ -132,3 +134,21 @@ async def test_workers_exit_when_the_supervisor_is_killed(process_factory: Any, 
             break
         await asyncio.sleep(0.05)
     assert not any(alive(pid) for pid in workers), "orphaned workers keep running"
+
+
+async def test_a_worker_whose_supervisor_died_before_it_started_stops_at_once(tmp_path: Path) -> None:
+    """The supervisor's pid is handed over, not read late: a worker started under a pid
+    that is no longer its parent (its supervisor died first) stops without serving."""
+    import sys
+
+    env = {**os.environ, SUPERVISOR_PID_ENV: "999999999", "DATABASE_URL": "postgresql://127.0.0.1:1/none"}
+    env.pop("GATEWAY_CONFIG", None)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "serve", "--no-migrate", "--worker-socket", str(tmp_path / "w.sock"),
+        env={**env, "BIND_ADDR": "127.0.0.1:0", "MANAGEMENT_BIND_ADDR": "127.0.0.1:0"},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    async with asyncio.timeout(20):
+        out, _ = await proc.communicate()
+    assert b"supervisor 999999999 is gone" in out, out.decode(errors="replace")
+    assert b"serving data plane" not in out
