@@ -30,7 +30,7 @@ from typing import Any
 import asyncpg
 
 from actors.runtime import Actor, ActorRef
-from gateway.keys import KEY_COLUMNS, KEY_PREFIX_LEN, KeyPolicy, KeyRecord, hash_key
+from gateway.auth.keys import KEY_COLUMNS, KEY_PREFIX_LEN, KeyPolicy, KeyRecord, hash_key
 
 __all__ = [
     "AuthActor",

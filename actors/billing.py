@@ -2,7 +2,7 @@
 
 State it owns:
 
-* the local journal (:mod:`gateway.journal`): events are appended as they are told,
+* the local journal (:mod:`gateway.billing.journal`): events are appended as they are told,
   group-committed with one ``fsync`` at most every ``fsync_interval`` seconds, sealed
   and shipped in batches (one ``INSERT ... ON CONFLICT (call_id) DO NOTHING`` per batch),
   and deleted once the ledger has them. While PostgreSQL is away they wait on disk; a
@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 
 from actors.runtime import Actor, ActorRef, ActorStopped, MailboxFull
-from gateway.budgets import fetch_spend
-from gateway.errors import BudgetExceeded
-from gateway.journal import Journal, Segment
-from gateway.ledger import UsageEvent, fetch_ledger_id, ship_lines
-from gateway.usage import CallRecord
+from gateway.billing.budgets import fetch_spend
+from gateway.billing.journal import Journal, Segment
+from gateway.billing.ledger import UsageEvent, fetch_ledger_id, ship_lines
+from gateway.core.errors import BudgetExceeded
+from gateway.core.usage import CallRecord
 
 if TYPE_CHECKING:
     from actors.auth import VerifiedKey
@@ -424,7 +424,7 @@ def _replace(target: dict[uuid.UUID, float], base: dict[uuid.UUID, float], extra
 
 def _log_billing(event: UsageEvent) -> None:
     """The per-call billing line (seed 000): key id, request id, cost, as structured
-    fields (one JSON object per line with ``LOG_FORMAT=json``, see gateway/logs.py)."""
+    fields (one JSON object per line with ``LOG_FORMAT=json``, see gateway/observability/logs.py)."""
     payload = {
         "api_key_id": str(event.api_key_id),
         "subject_id": str(event.subject_id),

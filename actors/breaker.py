@@ -42,7 +42,7 @@ from types import MappingProxyType
 from typing import Any
 
 from actors.runtime import Actor, ActorError, ActorRef
-from gateway.config import BreakerSettings, GatewayConfig
+from gateway.core.config import BreakerSettings, GatewayConfig
 
 __all__ = [
     "Admission",

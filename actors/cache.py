@@ -2,12 +2,12 @@
 
 State it owns:
 
-* the in-memory LRU of entries, bounded by bytes (:class:`gateway.cache_store.ByteLRU`),
+* the in-memory LRU of entries, bounded by bytes (:class:`gateway.cache.store.ByteLRU`),
   published to handlers as a read-only view: a hit in memory costs no mailbox hop;
 * the semantic index: in PostgreSQL with pgvector when the database has the extension
-  (:class:`gateway.semantic_pg.PgVectorIndex`; shared by every replica, answers stored
+  (:class:`gateway.cache.pgvector.PgVectorIndex`; shared by every replica, answers stored
   with their vectors; writes, sweeps and purges run as spawned tasks), otherwise the
-  in-process :class:`gateway.semantic.SemanticIndex`, published per partition as
+  in-process :class:`gateway.cache.semantic.SemanticIndex`, published per partition as
   immutable snapshots, bounded in vectors;
 * with ``REDIS_URL``: the shared tier. Entries live under ``{prefix}:e:{key}`` with the
   group's TTL, so every replica serves every replica's answers; sets per subject and
@@ -42,7 +42,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from actors.runtime import Actor, ActorError, ActorRef, Supervisor
-from gateway.cache import (
+from gateway.cache.embedder import DeploymentEmbedder, Embedder, EmbedderBusy, LocalEmbedder
+from gateway.cache.keys import (
     CACHE_HEADER,
     CacheTicket,
     client_directives,
@@ -50,10 +51,8 @@ from gateway.cache import (
     is_deterministic,
     request_material,
 )
-from gateway.cache_store import ByteLRU, CacheEntry, decode_entry, encode_entry
-from gateway.config import CachePolicy, CacheSettings, ConfigError, GatewayConfig
-from gateway.embedder import DeploymentEmbedder, Embedder, EmbedderBusy, LocalEmbedder
-from gateway.semantic import (
+from gateway.cache.pgvector import PgVectorIndex, PgVectorRow, open_pgvector_index
+from gateway.cache.semantic import (
     Guard,
     Match,
     SemanticIndex,
@@ -63,7 +62,8 @@ from gateway.semantic import (
     vector_from_bytes,
     vector_to_bytes,
 )
-from gateway.semantic_pg import PgVectorIndex, PgVectorRow, open_pgvector_index
+from gateway.cache.store import ByteLRU, CacheEntry, decode_entry, encode_entry
+from gateway.core.config import CachePolicy, CacheSettings, ConfigError, GatewayConfig
 
 __all__ = ["CacheActor", "CacheCounters", "CacheHandle", "Purge", "start_cache"]
 

@@ -4,7 +4,7 @@ The edge asks twice per request: :meth:`LimiterHandle.check_ip` before authentic
 (a flood guard per client address, which therefore also shields the database), and
 :meth:`LimiterHandle.acquire` after it (the key's own limits). State it owns:
 
-* the windows, through ``limits`` strategies over a storage (:mod:`actors.limit_storage`):
+* the windows, through ``limits`` strategies over a storage (:mod:`gateway.limits.storage`):
   memory for one instance, Redis shared by every replica, or per-key request windows in
   PostgreSQL (the seed's table); per-IP and token windows never go to PostgreSQL;
 * per key: requests per window (``rate_limit_requests`` per
@@ -40,7 +40,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import asyncpg
 from limits import RateLimitItem, parse
 
-from actors.limit_storage import (
+from actors.runtime import Actor, ActorRef
+from gateway.core.config import RateLimitSettings
+from gateway.core.errors import RateLimited
+from gateway.limits.storage import (
     STORAGE_ERRORS,
     KeyedItem,
     LocalStorage,
@@ -48,13 +51,10 @@ from actors.limit_storage import (
     RedisWindowStorage,
     Windows,
 )
-from actors.runtime import Actor, ActorRef
-from gateway.config import RateLimitSettings
-from gateway.errors import RateLimited
 
 if TYPE_CHECKING:
     from actors.auth import VerifiedKey
-    from gateway.usage import CallRecord
+    from gateway.core.usage import CallRecord
 
 __all__ = [
     "Acquire",

@@ -17,7 +17,7 @@ import time
 
 from actors.breaker import Admission, BreakerActor, BreakerHandle, Outcome, Permit
 from actors.runtime import Supervisor
-from gateway.config import BreakerSettings
+from gateway.core.config import BreakerSettings
 
 __all__ = ["main"]
 

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.cache import CacheActor, CacheHandle
 from actors.runtime import Supervisor
-from gateway.cache_store import CacheEntry
-from gateway.config import CachePolicy, CacheSettings, Deployment, GatewayConfig, ModelGroup
+from gateway.cache.store import CacheEntry
+from gateway.core.config import CachePolicy, CacheSettings, Deployment, GatewayConfig, ModelGroup
 
 SUBJECT, KEY_ID = uuid.uuid4(), uuid.uuid4()
 BODY = {"model": "cached", "temperature": 0, "max_tokens": 64,
@@ -148,7 +148,7 @@ async def direct_costs(n: int, redis_url: str | None) -> None:
             await other_sup.stop()
             await supervisor.stop()
 
-    from gateway.embedder import LocalEmbedder, local_model_available
+    from gateway.cache.embedder import LocalEmbedder, local_model_available
 
     if not local_model_available():
         print("semantic: the [semantic] extra is not installed; skipped")
@@ -170,10 +170,10 @@ async def end_to_end(n: int, pg_admin: str) -> None:
     from aiohttp import ClientSession
     from aiohttp.test_utils import TestServer
 
-    from gateway.app import build_data_app, gateway_state
-    from gateway.config import load_config, load_settings
-    from gateway.fake_provider import FakeConfig, make_app
-    from gateway.keys import KeyPolicy, KeyStore
+    from gateway.auth.keys import KeyPolicy, KeyStore
+    from gateway.core.config import load_config, load_settings
+    from gateway.edge.app import build_data_app, gateway_state
+    from gateway.testing.fake_provider import FakeConfig, make_app
 
     print("\n== end to end, client side (in-process gateway and fake provider) ==")
     name = f"llmg_bench_{uuid.uuid4().hex[:10]}"

@@ -95,8 +95,8 @@ async def measure_hops(
     stream_body: dict[str, Any], *, quick: bool,
 ) -> dict[str, Any]:
     """Hop prices, the cached-key check's price, and hops per request by actor."""
-    from gateway.app import DATA_SERVER_OPTIONS, build_data_app, gateway_state
-    from gateway.config import load_config, load_settings
+    from gateway.core.config import load_config, load_settings
+    from gateway.edge.app import DATA_SERVER_OPTIONS, build_data_app, gateway_state
 
     n = 5_000 if quick else 50_000
     out: dict[str, Any] = {"costs": await hop_costs(n)}

@@ -32,10 +32,10 @@ import asyncpg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.budgets import fetch_spend
-from gateway.db import migrate
-from gateway.ledger import LEDGER_COLUMNS, UsageEvent, ship_lines
-from gateway.reports import UsageQuery, usage_report
+from gateway.billing.budgets import fetch_spend
+from gateway.billing.ledger import LEDGER_COLUMNS, UsageEvent, ship_lines
+from gateway.billing.reports import UsageQuery, usage_report
+from gateway.core.db import migrate
 
 DEFAULT_DSN = os.environ.get("TEST_PG_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 MODELS = [f"model-{i}" for i in range(12)]
@@ -162,7 +162,7 @@ async def main() -> None:
             now = datetime.now(timezone.utc)
             odd = timedelta(hours=7, minutes=13)  # not midnight: the edges come from the ledger
             top_key = keys[0][0]
-            print("reports (gateway.reports.usage_report):")
+            print("reports (gateway.billing.reports.usage_report):")
             for label, query in [
                 ("group by key, all time", UsageQuery(group_by="key")),
                 ("group by model, all time", UsageQuery(group_by="model")),
@@ -189,7 +189,7 @@ async def main() -> None:
             subjects = await conn.fetchval("SELECT count(*) FROM subject_budgets")
             await timed(f"fetch_spend: {budgeted} budgeted keys + {subjects} subjects", lambda: fetch_spend(conn))
 
-            print("shipping (gateway.ledger.ship_lines, the BillingActor's batch insert):")
+            print("shipping (gateway.billing.ledger.ship_lines, the BillingActor's batch insert):")
             await ship_throughput(conn, keys, batches=20, size=500)
             await ship_throughput(conn, keys, batches=4, size=5000)
         finally:

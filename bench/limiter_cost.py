@@ -39,13 +39,13 @@ from limits.aio.storage import RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
 from actors.auth import VerifiedKey
-from actors.limit_storage import RedisWindowStorage
 from actors.limiter import Acquire, LimiterActor, LimiterHandle, Permit
 from actors.runtime import Supervisor
-from gateway.config import RateLimitSettings
-from gateway.db import migrate
-from gateway.errors import RateLimited
-from gateway.keys import KeyPolicy, KeyStore
+from gateway.auth.keys import KeyPolicy, KeyStore
+from gateway.core.config import RateLimitSettings
+from gateway.core.db import migrate
+from gateway.core.errors import RateLimited
+from gateway.limits.storage import RedisWindowStorage
 
 __all__ = ["main"]
 

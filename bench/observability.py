@@ -39,10 +39,10 @@ from typing import Any
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from gateway.config import Settings
-from gateway.metrics import GatewayMetrics
-from gateway.tracing import Tracing
-from gateway.usage import CallRecord, Usage
+from gateway.core.config import Settings
+from gateway.core.usage import CallRecord, Usage
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.tracing import Tracing
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -81,7 +81,7 @@ def part_costs() -> None:
 
     access = logging.getLogger("bench.access")
     access.propagate = False
-    from gateway.logs import configure_logging
+    from gateway.observability.logs import configure_logging
 
     root = logging.getLogger()
     saved = list(root.handlers)
@@ -205,8 +205,8 @@ async def part_e2e(args: argparse.Namespace) -> None:
     import aiohttp
     import asyncpg
 
-    from gateway.db import migrate
-    from gateway.keys import KeyPolicy, KeyStore
+    from gateway.auth.keys import KeyPolicy, KeyStore
+    from gateway.core.db import migrate
 
     dsn = os.environ["DATABASE_URL"]
     conn = await asyncpg.connect(dsn)
@@ -228,7 +228,7 @@ async def part_e2e(args: argparse.Namespace) -> None:
         "models:\n  - {name: '*', deployments: [{provider: fake, model: '*'}]}\n"
     )
     procs = [
-        _spawn(["-m", "gateway.fake_provider", "--host", "127.0.0.1", "--port", str(fake_port)], env, tmp),
+        _spawn(["-m", "gateway.testing.fake_provider", "--host", "127.0.0.1", "--port", str(fake_port)], env, tmp),
         _spawn(["-m", "gateway", "serve"], {**env, "GATEWAY_CONFIG": str(config), "BIND_ADDR": f"127.0.0.1:{port}",
                                             "MANAGEMENT_BIND_ADDR": f"127.0.0.1:{mport}"}, tmp),
     ]

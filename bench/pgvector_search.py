@@ -5,7 +5,7 @@
 Starts a scratch embedded PostgreSQL with pgvector (``pgserver``, in a temporary
 directory under /tmp, removed at the end), fills partitions of 10, 100 and 1000 random
 384-dimension vectors (the local model's size; 1000 is the per-partition cap), and
-times :meth:`gateway.semantic_pg.PgVectorIndex.search` (what a semantic lookup waits for
+times :meth:`gateway.cache.pgvector.PgVectorIndex.search` (what a semantic lookup waits for
 after its embedding) and a one-row insert (what the cache actor's write task costs).
 Loopback only, bounded in count. Figures on a shared 2-core box are upper bounds.
 """
@@ -30,8 +30,8 @@ async def run(searches: int) -> None:
     import numpy as np
     import pgserver  # type: ignore[import-untyped]
 
-    from gateway.semantic import guard_of, unit_vector
-    from gateway.semantic_pg import PgVectorRow, open_pgvector_index
+    from gateway.cache.pgvector import PgVectorRow, open_pgvector_index
+    from gateway.cache.semantic import guard_of, unit_vector
 
     home = tempfile.mkdtemp(prefix="llmg-pgvector-bench-", dir="/tmp")
     server = pgserver.get_server(home, cleanup_mode="stop")

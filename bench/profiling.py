@@ -49,7 +49,7 @@ async def record(pid: int, seconds: float, output: Path, *, cpu: int | None) -> 
 
 
 #: Frames that only start the process: present in every stack that reaches them.
-_ROOTS = ("gateway/__main__.py", "gateway/cli.py", "gateway/server.py")
+_ROOTS = ("gateway/__main__.py", "gateway/cli.py", "gateway/edge/server.py")
 
 
 #: Python frames under which only the C event loop runs (asyncio.Runner, aiohttp's run_app).

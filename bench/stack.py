@@ -310,7 +310,7 @@ class Stack:
             port = free_port()
             self._spawn(
                 f"fake-{profile.name}",
-                [sys.executable, "-m", "gateway.fake_provider", "--port", str(port), "--uvloop", *profile.args()],
+                [sys.executable, "-m", "gateway.testing.fake_provider", "--port", str(port), "--uvloop", *profile.args()],
                 cpu=self.load_cpu,
             )
             self.fakes[profile.name] = f"http://127.0.0.1:{port}"

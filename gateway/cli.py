@@ -20,15 +20,15 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
-from gateway.admin_input import MAX_GRACE
-from gateway.budgets import SubjectBudgetStore
-from gateway.config import ConfigError, GatewayConfig, Settings, load_config, load_settings
-from gateway.db import DatabaseUnavailable, EmbeddedUnavailable, connect_pool, migrate
-from gateway.keys import KeyNotFound, KeyPolicy, KeyRecord, KeyStore
-from gateway.logs import LOG_FORMATS, LogSetup, configure_logging
-from gateway.reports import GROUPS, UsageQuery, format_table, parse_time, usage_report
-from gateway.server import resolve_database_url, run, serve
-from gateway.workers import supervise_workers
+from gateway.admin.input import MAX_GRACE
+from gateway.auth.keys import KeyNotFound, KeyPolicy, KeyRecord, KeyStore
+from gateway.billing.budgets import SubjectBudgetStore
+from gateway.billing.reports import GROUPS, UsageQuery, format_table, parse_time, usage_report
+from gateway.core.config import ConfigError, GatewayConfig, Settings, load_config, load_settings
+from gateway.core.db import DatabaseUnavailable, EmbeddedUnavailable, connect_pool, migrate
+from gateway.edge.server import resolve_database_url, run, serve
+from gateway.edge.workers import supervise_workers
+from gateway.observability.logs import LOG_FORMATS, LogSetup, configure_logging
 
 __all__ = ["main"]
 

@@ -32,11 +32,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from gateway.app import DATA_SERVER_OPTIONS, build_data_app, build_management_app, gateway_state
-from gateway.config import GatewayConfig, load_config, load_settings
-from gateway.db import migrate
-from gateway.fake_provider import FakeConfig, make_app
-from gateway.keys import KeyPolicy, KeyStore
+from gateway.auth.keys import KeyPolicy, KeyStore
+from gateway.core.config import GatewayConfig, load_config, load_settings
+from gateway.core.db import migrate
+from gateway.edge.app import DATA_SERVER_OPTIONS, build_data_app, build_management_app, gateway_state
+from gateway.testing.fake_provider import FakeConfig, make_app
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from gateway.usage import CallRecord
+from gateway.core.usage import CallRecord
 from tests.conftest import FakeUpstream, free_port
 
 __all__ = ["dead_url", "fleet_config", "records", "served_by"]

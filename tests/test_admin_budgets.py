@@ -11,8 +11,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from gateway import fake_llm
-from gateway.budgets import SubjectBudgetStore
+from gateway.billing.budgets import SubjectBudgetStore
+from gateway.testing import fake_llm
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for
 from tests.test_admin_keys import eventually
 

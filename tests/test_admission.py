@@ -1,4 +1,4 @@
-"""The admission gate (gateway/admission.py) on an in-process gateway: the in-flight
+"""The admission gate (gateway/edge/admission.py) on an in-process gateway: the in-flight
 bound answers 503 ``overloaded`` at once, health routes are never gated, the drain
 refuses new work, and the abort ends what is left in the contract's shape."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from gateway.admission import ADMISSION, SHUTDOWN, AdmissionGate, default_max_in_flight, is_shutdown
-from gateway.config import ConfigError, load_settings
+from gateway.core.config import ConfigError, load_settings
+from gateway.edge.admission import ADMISSION, SHUTDOWN, AdmissionGate, default_max_in_flight, is_shutdown
 from tests.conftest import FakeUpstream, auth, chat_body, config_for, sse_payloads
 
 

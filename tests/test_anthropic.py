@@ -10,9 +10,9 @@ import openai
 import orjson
 import pytest
 
-from gateway.errors import InvalidRequest
-from gateway.fake_llm import anthropic_tool_use
+from gateway.core.errors import InvalidRequest
 from gateway.providers.anthropic import DEFAULT_MAX_TOKENS, StreamTranslator, to_messages_request
+from gateway.testing.fake_llm import anthropic_tool_use
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, sse_payloads
 from tests.fleet import fleet_config, records
 

@@ -21,7 +21,7 @@ import pytest
 import actors.auth
 from actors.auth import AuthActor, AuthHandle, Unauthenticated
 from actors.runtime import ActorStopped, Supervisor
-from gateway.keys import KeyPolicy, KeyStore, generate_key
+from gateway.auth.keys import KeyPolicy, KeyStore, generate_key
 from tests.conftest import FakeUpstream, auth, chat_body, config_for, via_proxy
 
 LOOKUP = "FROM api_keys WHERE key_prefix = $1"

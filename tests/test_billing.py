@@ -17,7 +17,7 @@ import asyncpg
 import orjson
 import pytest
 
-from gateway import fake_llm
+from gateway.testing import fake_llm
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for, sse_payloads
 
 #: USD per million tokens; chosen so costs are exact decimals.

@@ -14,8 +14,8 @@ import pytest
 
 from actors.billing import BillingActor, BillingHandle
 from actors.runtime import Supervisor
-from gateway.ledger import UsageEvent
-from gateway.usage import CallRecord, Usage
+from gateway.billing.ledger import UsageEvent
+from gateway.core.usage import CallRecord, Usage
 from tests.conftest import via_proxy
 
 

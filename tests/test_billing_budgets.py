@@ -10,9 +10,9 @@ from typing import Any
 
 import asyncpg
 
-from gateway import fake_llm
-from gateway.budgets import SubjectBudgetStore
-from gateway.ledger import UsageEvent, ship_lines
+from gateway.billing.budgets import SubjectBudgetStore
+from gateway.billing.ledger import UsageEvent, ship_lines
+from gateway.testing import fake_llm
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for
 
 PRICE = {"input_per_mtok": 1000.0, "output_per_mtok": 3000.0}

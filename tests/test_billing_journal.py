@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from gateway.journal import Journal
+from gateway.billing.journal import Journal
 
 KEY, SUBJECT = uuid.uuid4(), uuid.uuid4()
 

@@ -15,8 +15,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from gateway.ledger import UsageEvent, ship_lines
-from gateway.reports import UsageQuery, query_from_params, usage_report
+from gateway.billing.ledger import UsageEvent, ship_lines
+from gateway.billing.reports import UsageQuery, query_from_params, usage_report
 from tests.conftest import REPO
 
 DAY0 = datetime(2026, 3, 1, tzinfo=timezone.utc)

@@ -11,7 +11,7 @@ import pytest
 
 from actors.breaker import Admission, BreakerActor, BreakerHandle, CircuitState, Outcome
 from actors.runtime import Supervisor
-from gateway.config import BreakerSettings
+from gateway.core.config import BreakerSettings
 from tests.conftest import auth, chat_body
 from tests.fleet import fleet_config, records, served_by
 

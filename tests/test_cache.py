@@ -11,10 +11,16 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.cache import client_directives, exact_key, is_deterministic, normalised_body, request_material
-from gateway.cache_store import ByteLRU, CacheEntry, decode_entry, encode_entry
-from gateway.config import ConfigError, load_config, load_settings
-from gateway.usage import CallRecord
+from gateway.cache.keys import (
+    client_directives,
+    exact_key,
+    is_deterministic,
+    normalised_body,
+    request_material,
+)
+from gateway.cache.store import ByteLRU, CacheEntry, decode_entry, encode_entry
+from gateway.core.config import ConfigError, load_config, load_settings
+from gateway.core.usage import CallRecord
 from tests.cache_helpers import ask, cached_config, settle, upstream_calls, with_models
 from tests.conftest import FakeUpstream, Gateway, sse_payloads
 

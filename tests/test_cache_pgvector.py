@@ -20,7 +20,7 @@ import asyncpg
 import pytest
 import yaml
 
-from gateway.db import migrate
+from gateway.core.db import migrate
 from tests.cache_helpers import ask, cached_config, upstream_calls
 from tests.conftest import FakeUpstream, Gateway
 from tests.test_cache_semantic import needs_local_model

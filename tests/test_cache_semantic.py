@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from gateway.config import CachePolicy
-from gateway.embedder import local_model_available
-from gateway.semantic import SemanticIndex, final_user_text, guard_of, partition_of, unit_vector
+from gateway.cache.embedder import local_model_available
+from gateway.cache.semantic import SemanticIndex, final_user_text, guard_of, partition_of, unit_vector
+from gateway.core.config import CachePolicy
 from tests.cache_helpers import ask, cached_config, settle, upstream_calls
 from tests.conftest import FakeUpstream
 
@@ -38,7 +38,7 @@ def _semantic_config(fake_url: str, **policy: Any) -> str:
 # ----------------------------------------------------------------------------- the labelled set
 @needs_local_model
 def test_default_threshold_gives_no_wrong_hit_on_the_labelled_pairs() -> None:
-    from gateway.embedder import LocalEmbedder
+    from gateway.cache.embedder import LocalEmbedder
 
     pairs = json.loads(PAIRS.read_text())["pairs"]
     assert len(pairs) >= 50
@@ -194,7 +194,7 @@ async def test_an_embeddings_deployment_can_serve_the_vectors(
 async def test_index_pgvector_refuses_to_start_without_the_extension(
     gateway_factory: Callable[..., Any], fake: FakeUpstream
 ) -> None:
-    from gateway.config import ConfigError
+    from gateway.core.config import ConfigError
 
     config = cached_config(
         fake.url, {"mode": "semantic"}, semantic={"embedder": "embedder", "index": "pgvector"},

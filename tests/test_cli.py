@@ -29,8 +29,8 @@ import aiohttp
 import asyncpg
 import pytest
 
-from gateway.db import migrations_dir
-from gateway.keys import DEV_KEY
+from gateway.auth.keys import DEV_KEY
+from gateway.core.db import migrations_dir
 from tests.conftest import REPO, Gateway, _with_db, auth, chat_body, sse_payloads
 
 #: Variables of contract §3 that must not leak from the developer's shell into these runs.

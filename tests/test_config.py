@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.config import ConfigError, GatewayConfig, Settings, load_config, load_settings
+from gateway.core.config import ConfigError, GatewayConfig, Settings, load_config, load_settings
 from tests.conftest import FakeUpstream, auth, chat_body, sse_payloads
 
 

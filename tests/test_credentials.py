@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gateway.config import ConfigError, load_config, load_settings
+from gateway.core.config import ConfigError, load_config, load_settings
 from gateway.providers.anthropic import AnthropicProvider
 from gateway.providers.credentials import Credential
 from gateway.providers.openai import OpenAIProvider

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gateway.config import load_config, load_settings
+from gateway.core.config import load_config, load_settings
 
 REPO = Path(__file__).resolve().parent.parent
 

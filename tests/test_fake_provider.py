@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 from pytest_aiohttp import AiohttpClient
 
-from gateway.fake_llm import (
+from gateway.testing.fake_llm import (
     DONE_EVENT,
     anthropic_stream_events,
     completion,
@@ -22,7 +22,7 @@ from gateway.fake_llm import (
     prompt_tokens,
     stream_chunks,
 )
-from gateway.fake_provider import FakeConfig, make_app
+from gateway.testing.fake_provider import FakeConfig, make_app
 
 CHAT = "/v1/chat/completions"
 BODY: dict[str, Any] = {

@@ -61,7 +61,7 @@ def test_log_records_from_the_loop_reach_the_writer_in_order_and_stop_flushes_th
     import io
     import logging
 
-    from gateway.logs import configure_logging
+    from gateway.observability.logs import configure_logging
 
     root = logging.getLogger()
     saved_handlers, saved_level = list(root.handlers), root.level

@@ -19,12 +19,12 @@ from limits import RateLimitItemPerSecond
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
 from actors.auth import VerifiedKey
-from actors.limit_storage import LocalStorage, PostgresWindowStorage, RedisWindowStorage, Windows
 from actors.limiter import LimiterActor, LimiterHandle, Permit, reset_header
 from actors.runtime import Supervisor
-from gateway.config import RateLimitSettings
-from gateway.errors import RateLimited
-from gateway.keys import KeyPolicy
+from gateway.auth.keys import KeyPolicy
+from gateway.core.config import RateLimitSettings
+from gateway.core.errors import RateLimited
+from gateway.limits.storage import LocalStorage, PostgresWindowStorage, RedisWindowStorage, Windows
 
 HOUR = 3600
 

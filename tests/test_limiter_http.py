@@ -14,8 +14,8 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.config import ConfigError, load_config, load_settings
-from gateway.keys import generate_key
+from gateway.auth.keys import generate_key
+from gateway.core.config import ConfigError, load_config, load_settings
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for, sse_payloads
 
 HOUR = 3600

@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from actors.limit_storage import RedisWindowStorage
+from gateway.limits.storage import RedisWindowStorage
 from tests.conftest import FakeUpstream, auth, chat_body, config_for, redis_via
 
 HOUR = 3600

@@ -14,7 +14,14 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.logs import ACCESS_LOGGER, JsonFormatter, LogSetup, Redactor, TextFormatter, configure_logging
+from gateway.observability.logs import (
+    ACCESS_LOGGER,
+    JsonFormatter,
+    LogSetup,
+    Redactor,
+    TextFormatter,
+    configure_logging,
+)
 from tests.conftest import REPO, FakeUpstream, Gateway, auth, chat_body, config_for
 
 PROVIDER_SECRET = "sk-fake-provider-secret"  # what config_for gives the fake provider

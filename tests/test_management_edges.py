@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config import ConfigError, load_settings
-from gateway.keys import KeyStore
+from gateway.auth.keys import KeyStore
+from gateway.core.config import ConfigError, load_settings
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for
 
 ADMIN_TOKEN = "edge-admin-token-abcdef0123456789"
@@ -279,8 +279,8 @@ async def test_admin_api_answers_503_while_the_database_is_away(
 ) -> None:
     from aiohttp.test_utils import TestClient, TestServer
 
-    from gateway.app import build_management_app, gateway_state
-    from gateway.config import load_config
+    from gateway.core.config import load_config
+    from gateway.edge.app import build_management_app, gateway_state
     from tests.conftest import via_proxy
 
     path = tmp_path / "gateway.yaml"

@@ -9,9 +9,15 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway import fake_llm
-from gateway.metrics import MAX_MODEL_LABELS, TOKEN_BUCKETS, TTFT_BUCKETS, BoundedLabel, GatewayMetrics
-from gateway.usage import CallRecord, Usage
+from gateway.core.usage import CallRecord, Usage
+from gateway.observability.metrics import (
+    MAX_MODEL_LABELS,
+    TOKEN_BUCKETS,
+    TTFT_BUCKETS,
+    BoundedLabel,
+    GatewayMetrics,
+)
+from gateway.testing import fake_llm
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for, pair_config, sse_payloads
 
 #: Contract §9: the names every gateway exposes.

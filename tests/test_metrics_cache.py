@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway import fake_llm
-from gateway.metrics import GatewayMetrics
-from gateway.usage import CallRecord, Usage
+from gateway.core.usage import CallRecord, Usage
+from gateway.observability.metrics import GatewayMetrics
+from gateway.testing import fake_llm
 from tests.cache_helpers import ask, cached_config, settle
 from tests.conftest import FakeUpstream, Gateway, chat_body
 from tests.test_metrics import parse, scrape, total, value

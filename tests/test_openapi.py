@@ -19,7 +19,7 @@ import pytest
 import requests
 from aiohttp import web
 
-from gateway.openapi import data_plane_document, management_document
+from gateway.edge.openapi import data_plane_document, management_document
 from tests.conftest import FakeUpstream, Gateway, auth, config_for
 
 schemathesis = pytest.importorskip("schemathesis", reason="schemathesis is in the dev extra")
@@ -76,7 +76,7 @@ async def test_every_route_is_documented_and_every_documented_route_exists(admin
     registered = registered_routes(client.server.app)
     documented = documented_routes(served)
     missing = registered - documented
-    assert not missing, f"routes not in gateway/openapi.py ({plane} plane): {sorted(missing)}"
+    assert not missing, f"routes not in gateway/edge/openapi.py ({plane} plane): {sorted(missing)}"
     stale = documented - registered
     assert not stale, f"documented but not registered ({plane} plane): {sorted(stale)}"
     # Every operation has an id and at least one documented answer.

@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 import yaml
 
-from gateway.metrics import GatewayMetrics
+from gateway.observability.metrics import GatewayMetrics
 from tests.conftest import REPO, Gateway, auth, chat_body, free_port
 
 CONF = REPO / "conf"

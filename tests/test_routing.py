@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from actors.breaker import CircuitState, Health
-from gateway.config import ConfigError, Deployment, Price
-from gateway.routing import Target
-from gateway.strategies import order_targets
+from gateway.core.config import ConfigError, Deployment, Price
+from gateway.relay.routing import Target
+from gateway.relay.strategies import order_targets
 from tests.conftest import auth, chat_body
 from tests.fleet import dead_url, fleet_config, records, served_by
 
@@ -185,7 +185,7 @@ async def test_fallbacks_are_tried_in_order_after_the_group_fails(gateway_factor
 
 
 def test_fallback_names_are_checked_at_start(tmp_path: Any) -> None:
-    from gateway.config import load_config, load_settings
+    from gateway.core.config import load_config, load_settings
 
     def load(models: list[dict[str, Any]]) -> Any:
         path = tmp_path / "g.yaml"

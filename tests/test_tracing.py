@@ -14,8 +14,8 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Status as ProtoStatus
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from actors.runtime import Actor, Supervisor
-from gateway.config import load_settings
-from gateway.tracing import Tracing
+from gateway.core.config import load_settings
+from gateway.observability.tracing import Tracing
 from tests.conftest import FakeUpstream, auth, chat_body, config_for, pair_config, sse_payloads
 from tests.otlp import OtlpReceiver, ReceivedSpan
 
@@ -164,7 +164,7 @@ def test_endpoint_variables() -> None:
     assert load_settings({**both, "OTEL_TRACES_EXPORTER": "none"}).otel_endpoint is None
     assert load_settings({}).otel_endpoint is None
     assert not Tracing.from_settings(load_settings({})).enabled
-    from gateway.config import ConfigError
+    from gateway.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="OTEL_EXPORTER_OTLP_ENDPOINT"):
         load_settings({"OTEL_EXPORTER_OTLP_ENDPOINT": "collector:4318"})

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.server import SUPERVISOR_PID_ENV
-from gateway.workers import merge_expositions
+from gateway.edge.server import SUPERVISOR_PID_ENV
+from gateway.edge.workers import merge_expositions
 from tests.conftest import FakeUpstream, auth, chat_body, config_for
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from gateway.config import ProviderConfig
+from gateway.core.config import ProviderConfig
 from gateway.providers.base import (
     Provider,
     ProviderError,

@@ -32,8 +32,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from gateway.config import ProviderConfig
-from gateway.errors import InvalidRequest
+from gateway.core.config import ProviderConfig
+from gateway.core.errors import InvalidRequest
 from gateway.providers.base import (
     Provider,
     Timeouts,
@@ -43,7 +43,7 @@ from gateway.providers.base import (
     fetch_model_ids,
     map_transport_errors,
 )
-from gateway.sse import event_data, iter_events
+from gateway.relay.sse import event_data, iter_events
 
 __all__ = [
     "ANTHROPIC_VERSION",

@@ -18,9 +18,9 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from gateway.config import ProviderConfig
+from gateway.core.config import ProviderConfig
 from gateway.providers.credentials import Credential
-from gateway.sse import EventTooLarge
+from gateway.relay.sse import EventTooLarge
 
 __all__ = [
     "Provider",

@@ -1,7 +1,7 @@
 """The built-in ``mock`` provider: deterministic answers offline, with usage.
 
 It makes the quick start work with no network and no provider account. Answers come
-from :mod:`gateway.fake_llm`, the same generator the standalone fake provider serves
+from :mod:`gateway.testing.fake_llm`, the same generator the standalone fake provider serves
 over HTTP, so the mock and the fake agree byte for byte on content and usage.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import orjson
 
-from gateway import fake_llm
 from gateway.providers.base import Provider, Timeouts, UpstreamReply
+from gateway.testing import fake_llm
 
 __all__ = ["MockProvider"]
 

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
-from gateway.config import ProviderConfig
+from gateway.core.config import ProviderConfig
 from gateway.providers.base import (
     Provider,
     Timeouts,
@@ -23,7 +23,7 @@ from gateway.providers.base import (
     fetch_model_ids,
     map_transport_errors,
 )
-from gateway.sse import iter_events
+from gateway.relay.sse import iter_events
 
 __all__ = ["OpenAIProvider"]
 

@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from actors.auth import Unauthenticated
-from gateway.admin import AdminAuth, AdminUnauthorized
-from gateway.fake_provider import STATE_KEY, FakeConfig
+from gateway.admin.routes import AdminAuth, AdminUnauthorized
+from gateway.testing.fake_provider import STATE_KEY, FakeConfig
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for
 from tests.faults.conftest import NO_IP_GUARD
 from tests.otlp import OtlpReceiver
@@ -156,7 +156,7 @@ async def test_key_and_admin_token_checks_compare_in_constant_time(
     the time taken does not tell how much of a guess was right.
 
     (actors/auth.py ``_ok``: SHA-256 of the presented token against the stored hash;
-    gateway/admin.py ``AdminAuth.check``: SHA-256 of the presented token against the
+    gateway/admin/routes.py ``AdminAuth.check``: SHA-256 of the presented token against the
     configured one's; both only then compare.)
     """
     calls: list[tuple[bytes, bytes]] = []

@@ -1,0 +1,1 @@
+"""The admin API on the management plane: routes, input, views, audit, cache admin."""

@@ -1,0 +1,1 @@
+"""Money: the journal, the ledger's rows, budgets, prices and usage reports."""

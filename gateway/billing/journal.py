@@ -1,0 +1,426 @@
+"""The billing journal: usage events on local disk until the ledger has them.
+
+Layout under the journal root (``BILLING_JOURNAL_DIR``, default
+``$LLM_GATEWAY_HOME/billing-journal``)::
+
+    <ledger_id>/slot-<n>/lock                       flock'd by the process using the slot
+    <ledger_id>/slot-<n>/segment-000000000007.jsonl one JSON line per event
+    <ledger_id>/slot-<n>/rejected.jsonl             lines the ledger refused (kept, logged)
+
+* Events are appended to an in-memory buffer (no I/O on the caller's path) and
+  group-committed by :meth:`Journal.commit`: one ``write`` and one ``fsync`` for
+  everything buffered, in a worker thread so the event loop never waits on the disk.
+* The active segment is sealed by :meth:`Journal.seal` before shipping; a sealed segment
+  is deleted (:meth:`Journal.discard`) only after the ledger committed every line of it.
+  Shipping a segment twice is harmless (the ledger ignores known ``call_id``\\ s).
+* Each process locks one slot (``flock``, released by the kernel even on SIGKILL), so
+  replicas sharing a data directory never touch each other's files. On open, segments
+  left in slots nobody holds (a crashed process) are moved into the opener's slot and
+  shipped with its own.
+* Slots are filed under the ledger's id (:func:`gateway.billing.ledger.fetch_ledger_id`), so a
+  journal written for one database is never shipped into another.
+* A torn last line (a crash in the middle of a write that was never fsync'd) is
+  skipped; a write that fails half-way is cut back, so a retry never glues two lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+__all__ = ["Journal", "JournalBusy", "Segment"]
+
+log = logging.getLogger("gateway.billing")
+
+_SEGMENT_GLOB = "segment-*.jsonl"
+_LOCK_NAME = "lock"
+_REJECTED_NAME = "rejected.jsonl"
+#: Enough for every replica one host will ever run; a bound so a bug cannot loop forever.
+MAX_SLOTS = 256
+
+
+class JournalBusy(OSError):
+    """Every journal slot is locked by another live process."""
+
+
+@dataclass(slots=True)
+class Segment:
+    """One journal file: how many events it holds and what they cost, per key and subject."""
+
+    path: Path
+    lines: int = 0
+    key_spend: dict[uuid.UUID, float] = field(default_factory=dict)
+    subject_spend: dict[uuid.UUID, float] = field(default_factory=dict)
+
+    def add_spend(self, api_key_id: uuid.UUID, subject_id: uuid.UUID, cost: float) -> None:
+        if cost > 0:
+            self.key_spend[api_key_id] = self.key_spend.get(api_key_id, 0.0) + cost
+            self.subject_spend[subject_id] = self.subject_spend.get(subject_id, 0.0) + cost
+
+
+def _segment_name(seq: int) -> str:
+    return f"segment-{seq:012d}.jsonl"
+
+
+def _segment_seq(path: Path) -> int:
+    try:
+        return int(path.stem.split("-", 1)[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _try_lock(path: Path) -> int | None:
+    """An fd holding an exclusive flock on ``path``, or None if another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a create, rename or unlink in ``directory`` survive a power cut."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _scan(path: Path) -> tuple[list[bytes], list[bytes], bool]:
+    """A segment's valid lines, its unreadable ones, and whether its tail was torn."""
+    good: list[bytes] = []
+    bad: list[bytes] = []
+    torn = False
+    data = path.read_bytes()
+    for raw in data.splitlines(keepends=True):
+        if not raw.endswith(b"\n"):
+            # A write cut short by a crash; it was never fsync'd, so never acknowledged.
+            log.warning("billing journal %s: skipping a torn last line (%d bytes)", path.name, len(raw))
+            torn = True
+            continue
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            bad.append(raw)
+            continue
+        (good if isinstance(obj, dict) and "call_id" in obj else bad).append(raw)
+    return good, bad, torn
+
+
+def _spend_of(lines: list[bytes], segment: Segment) -> None:
+    for raw in lines:
+        obj = orjson.loads(raw)
+        try:
+            segment.add_spend(
+                uuid.UUID(obj["api_key_id"]), uuid.UUID(obj["subject_id"]), float(obj.get("cost_usd") or 0)
+            )
+        except (KeyError, TypeError, ValueError):
+            continue
+
+
+class Journal:
+    """One process's journal slot. Not thread-safe: used from one event loop only.
+
+    Lifecycle: :meth:`open` (locks a slot, adopts orphans, recovers leftovers) →
+    ``append``/``commit``/``seal``/``read``/``discard`` → :meth:`close` (releases the
+    slot). After close, a late :meth:`append` is written and fsync'd at once into its
+    own segment, so even an event that arrives during shutdown is not lost.
+    """
+
+    def __init__(self, directory: Path, lock_fd: int, sealed: list[Segment], next_seq: int) -> None:
+        self.directory = directory
+        self._lock_fd: int | None = lock_fd
+        self._sealed: list[Segment] = sealed
+        self._next_seq = next_seq
+        self._active: Segment | None = None
+        self._fd: int | None = None
+        self._size = 0
+        self._buffer: list[bytes] = []
+        self._io_lock = asyncio.Lock()
+        self._has_data = asyncio.Event()
+        self.commits = 0
+        self.rejected = 0
+
+    # -- opening -----------------------------------------------------------------------
+    @classmethod
+    def open(cls, root: Path) -> Journal:
+        """Lock a free slot under ``root``, adopt orphaned segments, recover leftovers.
+
+        Blocking file I/O: call it in a worker thread. Raises JournalBusy when every
+        slot is held, OSError when the directory cannot be used.
+        """
+        root.mkdir(parents=True, exist_ok=True)
+        mine: Path | None = None
+        lock_fd: int | None = None
+        for n in range(MAX_SLOTS):
+            slot = root / f"slot-{n}"
+            slot.mkdir(exist_ok=True)
+            lock_fd = _try_lock(slot / _LOCK_NAME)
+            if lock_fd is not None:
+                mine = slot
+                break
+        if mine is None or lock_fd is None:
+            raise JournalBusy(f"all {MAX_SLOTS} billing journal slots under {root} are in use")
+        try:
+            existing = sorted(mine.glob(_SEGMENT_GLOB), key=_segment_seq)
+            next_seq = max((_segment_seq(p) for p in existing), default=0) + 1
+            adopted, next_seq = cls._adopt_orphans(root, mine, next_seq)
+            sealed: list[Segment] = []
+            for path in [*existing, *adopted]:
+                good, bad, torn = _scan(path)
+                if bad:
+                    cls._write_rejected(mine, bad)
+                    log.error("billing journal %s: %d unreadable line(s) set aside", path, len(bad))
+                if not good:
+                    path.unlink()
+                    continue
+                if bad or torn:
+                    # Rewrite without the bad lines so shipping never meets them again.
+                    path.write_bytes(b"".join(good))
+                segment = Segment(path, lines=len(good))
+                _spend_of(good, segment)
+                sealed.append(segment)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        if sealed:
+            log.info(
+                "billing journal %s: %d event(s) left from a previous run, shipping them",
+                mine, sum(s.lines for s in sealed),
+            )
+        return cls(mine, lock_fd, sealed, next_seq)
+
+    @staticmethod
+    def _adopt_orphans(root: Path, mine: Path, next_seq: int) -> tuple[list[Path], int]:
+        """Move segments out of slots no live process holds; returns them, in order."""
+        adopted: list[Path] = []
+        for slot in sorted(root.glob("slot-*")):
+            if slot == mine or not slot.is_dir():
+                continue
+            fd = _try_lock(slot / _LOCK_NAME)
+            if fd is None:
+                continue  # a live replica owns it
+            try:
+                for path in sorted(slot.glob(_SEGMENT_GLOB), key=_segment_seq):
+                    target = mine / _segment_name(next_seq)
+                    next_seq += 1
+                    os.rename(path, target)
+                    adopted.append(target)
+                if adopted:
+                    _fsync_dir(slot)
+            finally:
+                os.close(fd)
+        if adopted:
+            _fsync_dir(mine)
+            log.info("billing journal: adopted %d segment(s) from stopped replicas", len(adopted))
+        return adopted, next_seq
+
+    # -- appending and committing --------------------------------------------------------
+    def append(self, line: bytes, api_key_id: uuid.UUID, subject_id: uuid.UUID, cost: float) -> None:
+        """Buffer one event line; :meth:`commit` makes it durable. Never blocks."""
+        if self._lock_fd is None:
+            self._append_after_close(line)
+            return
+        if self._active is None:
+            self._active = Segment(self.directory / _segment_name(self._next_seq))
+            self._next_seq += 1
+        self._active.lines += 1
+        self._active.add_spend(api_key_id, subject_id, cost)
+        self._buffer.append(line)
+        self._has_data.set()
+
+    async def wait_for_data(self) -> None:
+        """Return when something is buffered and not yet committed (or on :meth:`wake`)."""
+        await self._has_data.wait()
+
+    def wake(self) -> None:
+        """Release :meth:`wait_for_data` once even with nothing buffered (to stop a committer)."""
+        self._has_data.set()
+
+    async def commit(self) -> int:
+        """Write and fsync everything buffered, in a worker thread; returns the count.
+
+        On a disk error the lines stay buffered (and the file is cut back to its last
+        good end), so the next commit retries them. Must not be cancelled while the
+        thread writes: callers stop the committer by asking it, never by cancelling.
+        """
+        async with self._io_lock:
+            return await self._commit_locked()
+
+    async def _commit_locked(self) -> int:
+        count = len(self._buffer)
+        if count == 0:
+            self._has_data.clear()
+            return 0
+        assert self._active is not None
+        data = b"".join(self._buffer)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._write_sync, self._active.path, data)
+        del self._buffer[:count]
+        if not self._buffer:
+            self._has_data.clear()
+        self.commits += 1
+        return count
+
+    def _write_sync(self, path: Path, data: bytes) -> None:
+        if self._fd is None:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            self._size = 0
+            _fsync_dir(self.directory)
+        fd = self._fd
+        start = self._size
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            os.fsync(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
+        self._size = start + len(data)
+
+    async def seal(self) -> Segment | None:
+        """Commit, then close the active segment so it can be shipped; None if empty.
+
+        The segment is detached *before* its last lines are written: an event appended
+        while the disk works (appends never wait) goes to a new segment, so the sealed
+        one holds exactly the lines it counts. If the write fails, the segment is
+        reattached (with whatever was appended meanwhile) and retried by the next commit.
+        """
+        async with self._io_lock:
+            segment = self._active
+            if segment is None:
+                return None
+            self._active = None
+            count = len(self._buffer)
+            try:
+                if count:
+                    data = b"".join(self._buffer[:count])
+                    await asyncio.get_running_loop().run_in_executor(None, self._write_sync, segment.path, data)
+                    del self._buffer[:count]
+                    self.commits += 1
+            except BaseException:
+                self._reattach(segment)
+                raise
+            if not self._buffer:
+                self._has_data.clear()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            self._sealed.append(segment)
+            return segment
+
+    def _reattach(self, segment: Segment) -> None:
+        """Make ``segment`` active again after a failed seal, absorbing any newer one
+        (its lines are still buffered behind the segment's own, and not yet on disk)."""
+        newer, self._active = self._active, segment
+        if newer is not None:
+            segment.lines += newer.lines
+            for k, v in newer.key_spend.items():
+                segment.key_spend[k] = segment.key_spend.get(k, 0.0) + v
+            for s, v in newer.subject_spend.items():
+                segment.subject_spend[s] = segment.subject_spend.get(s, 0.0) + v
+
+    # -- shipping ---------------------------------------------------------------------
+    def sealed(self) -> list[Segment]:
+        """Sealed segments not yet shipped, oldest first."""
+        return list(self._sealed)
+
+    @staticmethod
+    def read(segment: Segment) -> list[bytes]:
+        """A sealed segment's lines (blocking read: call it in a worker thread)."""
+        return _scan(segment.path)[0]
+
+    def discard(self, segment: Segment) -> None:
+        """Forget a segment the ledger has committed in full (unlinks its file)."""
+        with contextlib.suppress(FileNotFoundError):
+            segment.path.unlink()
+        with contextlib.suppress(ValueError):
+            self._sealed.remove(segment)
+
+    def reject(self, lines: list[bytes]) -> None:
+        """Set aside lines the ledger refuses, so they never block the ones after them."""
+        self._write_rejected(self.directory, lines)
+        self.rejected += len(lines)
+
+    @staticmethod
+    def _write_rejected(directory: Path, lines: list[bytes]) -> None:
+        with (directory / _REJECTED_NAME).open("ab") as f:
+            f.write(b"".join(line if line.endswith(b"\n") else line + b"\n" for line in lines))
+            f.flush()
+            os.fsync(f.fileno())
+
+    # -- state --------------------------------------------------------------------------
+    @property
+    def pending_events(self) -> int:
+        """Events not yet in the ledger: buffered, in the active segment, or sealed."""
+        active = self._active.lines if self._active is not None else 0
+        return active + sum(s.lines for s in self._sealed)
+
+    @property
+    def buffered(self) -> int:
+        """Events appended but not yet fsync'd."""
+        return len(self._buffer)
+
+    @property
+    def active_lines(self) -> int:
+        return self._active.lines if self._active is not None else 0
+
+    def unshipped_spend(self) -> tuple[dict[uuid.UUID, float], dict[uuid.UUID, float]]:
+        """USD of every event not yet in the ledger, per key and per subject."""
+        keys: dict[uuid.UUID, float] = {}
+        subjects: dict[uuid.UUID, float] = {}
+        segments = [*self._sealed, *([self._active] if self._active is not None else [])]
+        for segment in segments:
+            for k, v in segment.key_spend.items():
+                keys[k] = keys.get(k, 0.0) + v
+            for s, v in segment.subject_spend.items():
+                subjects[s] = subjects.get(s, 0.0) + v
+        return keys, subjects
+
+    # -- closing ------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._lock_fd is None
+
+    def close(self) -> None:
+        """Release the slot. Anything still buffered is written and fsync'd first."""
+        if self._lock_fd is None:
+            return
+        if self._buffer and self._active is not None:
+            try:
+                self._write_sync(self._active.path, b"".join(self._buffer))
+                self._buffer.clear()
+            except OSError as exc:
+                log.error("billing journal: %d event(s) could not be written at close: %s", len(self._buffer), exc)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+    def _append_after_close(self, line: bytes) -> None:
+        """A late event after close: its own segment, written and fsync'd right away."""
+        path = self.directory / _segment_name(self._next_seq)
+        self._next_seq += 1
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(self.directory)
+        log.warning("billing journal: event after shutdown kept in %s for the next start", path)

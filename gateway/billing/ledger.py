@@ -1,0 +1,173 @@
+"""The usage ledger's rows: one :class:`UsageEvent` per chat call, and how batches land.
+
+An event is made from a finished :class:`~gateway.core.usage.CallRecord`, written to the
+local journal as one JSON line whose keys are the ledger's column names, and shipped
+many lines at a time by :func:`ship_lines`: one ``INSERT ... SELECT FROM
+json_populate_recordset(...) ON CONFLICT (call_id) DO NOTHING``. The line on disk *is*
+the row, so nothing is decoded or re-encoded between the journal and PostgreSQL, and a
+batch shipped twice (a crash between commit and truncation) inserts nothing the second
+time.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import asyncpg
+import orjson
+
+from gateway.core.usage import CallRecord
+
+__all__ = ["NIL_UUID", "LEDGER_COLUMNS", "UsageEvent", "fetch_ledger_id", "ship_lines"]
+
+NIL_UUID = uuid.UUID(int=0)
+_INT32_MAX = 2**31 - 1
+_INT16_MAX = 2**15 - 1
+
+#: Columns an event fills (``recorded_at`` is the database's; two columns are generated).
+LEDGER_COLUMNS = (
+    "call_id", "request_id", "response_id", "api_key_id", "subject_id", "requested_model",
+    "served_model", "provider", "deployment", "prompt_tokens", "completion_tokens",
+    "usage_estimated", "cost_usd", "cost_diem", "cost_source", "latency_seconds",
+    "ttft_seconds", "status", "outcome", "streamed", "retries", "failovers", "error_type",
+    "finish_reason", "created_at",
+)
+
+_COLUMN_LIST = ", ".join(LEDGER_COLUMNS)
+_INSERT = (
+    f"INSERT INTO usage_ledger ({_COLUMN_LIST})"
+    f" SELECT {_COLUMN_LIST} FROM json_populate_recordset(NULL::usage_ledger, $1::json)"
+    " ON CONFLICT (call_id) DO NOTHING"
+)
+
+
+def _clamp(value: int, upper: int) -> int:
+    """Keep a count inside its column's range: a broken provider must not jam a batch."""
+    return max(0, min(int(value), upper))
+
+
+def _short(value: str | None, limit: int = 256) -> str | None:
+    return value[:limit] if isinstance(value, str) else None
+
+
+@dataclass(frozen=True, slots=True)
+class UsageEvent:
+    """One finished call, as the ledger stores it (field names are column names)."""
+
+    call_id: uuid.UUID
+    request_id: str
+    response_id: str | None
+    api_key_id: uuid.UUID
+    subject_id: uuid.UUID
+    requested_model: str
+    served_model: str | None
+    provider: str | None
+    deployment: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    usage_estimated: bool
+    cost_usd: float
+    cost_diem: float | None
+    cost_source: str
+    latency_seconds: float
+    ttft_seconds: float | None
+    status: int
+    outcome: str
+    streamed: bool
+    retries: int
+    failovers: int
+    error_type: str | None
+    finish_reason: str | None
+    #: When the call started, Unix seconds.
+    created_at: float
+
+    @classmethod
+    def from_call(cls, call: CallRecord) -> UsageEvent:
+        """The event of a finished call (its cost already settled)."""
+        usage = call.usage
+        return cls(
+            call_id=call.call_id,
+            request_id=call.request_id[:128],
+            response_id=_short(call.response_id),
+            api_key_id=call.api_key_id or NIL_UUID,
+            subject_id=call.subject_id or NIL_UUID,
+            requested_model=call.requested_model[:256],
+            served_model=_short(call.served_model),
+            provider=_short(call.provider),
+            deployment=_short(call.deployment),
+            prompt_tokens=_clamp(usage.prompt_tokens, _INT32_MAX),
+            completion_tokens=_clamp(usage.completion_tokens, _INT32_MAX),
+            usage_estimated=usage.estimated,
+            cost_usd=call.cost_usd,
+            cost_diem=usage.cost_diem if usage.cost_diem is not None and usage.cost_diem >= 0 else None,
+            cost_source=call.cost_source,
+            latency_seconds=max(0.0, call.latency),
+            ttft_seconds=call.ttft,
+            status=_clamp(call.status, _INT16_MAX),
+            outcome=call.outcome,
+            streamed=call.stream,
+            retries=_clamp(call.retries, _INT16_MAX),
+            failovers=_clamp(call.failovers, _INT16_MAX),
+            error_type=_short(call.error_type),
+            finish_reason=_short(call.finish_reasons[-1]) if call.finish_reasons else None,
+            created_at=call.started_at,
+        )
+
+    def to_line(self) -> bytes:
+        """One journal line: a JSON object keyed by column name, newline-terminated."""
+        return orjson.dumps(
+            {
+                # str(): asyncpg's UUIDs are not the stdlib type orjson knows.
+                "call_id": str(self.call_id),
+                "request_id": self.request_id,
+                "response_id": self.response_id,
+                "api_key_id": str(self.api_key_id),
+                "subject_id": str(self.subject_id),
+                "requested_model": self.requested_model,
+                "served_model": self.served_model,
+                "provider": self.provider,
+                "deployment": self.deployment,
+                "prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "usage_estimated": self.usage_estimated,
+                "cost_usd": self.cost_usd,
+                "cost_diem": self.cost_diem,
+                "cost_source": self.cost_source,
+                "latency_seconds": self.latency_seconds,
+                "ttft_seconds": self.ttft_seconds,
+                "status": self.status,
+                "outcome": self.outcome,
+                "streamed": self.streamed,
+                "retries": self.retries,
+                "failovers": self.failovers,
+                "error_type": self.error_type,
+                "finish_reason": self.finish_reason,
+                "created_at": datetime.fromtimestamp(self.created_at, timezone.utc),
+            },
+            option=orjson.OPT_APPEND_NEWLINE,
+        )
+
+
+async def ship_lines(conn: asyncpg.Connection | asyncpg.Pool, lines: Sequence[bytes]) -> int:
+    """Insert journal lines into the ledger in one statement; returns how many were new.
+
+    Lines whose ``call_id`` is already in the ledger are skipped, so shipping a batch
+    again is harmless. One bad line fails the whole statement (a ``DataError`` or a
+    constraint violation): the caller then ships line by line to find it.
+    """
+    if not lines:
+        return 0
+    payload = b"[" + b",".join(line.rstrip(b"\n") for line in lines) + b"]"
+    status = await conn.execute(_INSERT, payload.decode("utf-8"))
+    return int(str(status).rsplit(" ", 1)[-1])
+
+
+async def fetch_ledger_id(conn: asyncpg.Connection | asyncpg.Pool) -> uuid.UUID:
+    """This database's ledger id (journals are filed under it)."""
+    value = await conn.fetchval("SELECT ledger_id FROM ledger_identity")
+    if value is None:
+        raise RuntimeError("ledger_identity is empty: run the migrations")
+    return uuid.UUID(str(value))

@@ -1,0 +1,60 @@
+"""What a call cost: settled once, when it ends, so every listener sees the same figure.
+
+In order of trust:
+
+1. the provider's own ``cost`` (Venice answers ``cost.usd`` and ``cost.diem``), already
+   parsed into :class:`gateway.core.usage.Usage` by the relay;
+2. the deployment's price table from the config file (USD per million input and output
+   tokens);
+3. nothing: the cost is 0 and ``cost_source`` says ``unpriced``, which billing counts per
+   model and metrics can expose, so a missing price is visible rather than silently free.
+
+A call with no tokens at all (a failed call) costs 0 with source ``none``: there is
+nothing to price, and flagging its model as unpriced would only be noise.
+"""
+
+from __future__ import annotations
+
+import math
+
+from gateway.core.config import Price
+from gateway.core.usage import CallRecord, Usage
+
+__all__ = ["COST_SOURCES", "cost_from_price", "settle_cost"]
+
+#: Every value ``CallRecord.cost_source`` takes (the ledger's check constraint agrees).
+COST_SOURCES = ("provider", "price", "unpriced", "none")
+
+_PER_MILLION = 1_000_000.0
+
+
+def cost_from_price(usage: Usage, price: Price) -> float:
+    """USD for ``usage`` at ``price`` (per million input and output tokens)."""
+    return (
+        usage.prompt_tokens * price.input_per_mtok + usage.completion_tokens * price.output_per_mtok
+    ) / _PER_MILLION
+
+
+def _provider_cost(usage: Usage) -> float | None:
+    """The provider's own USD cost when it is a usable number, else None."""
+    cost = usage.cost_usd
+    if cost is None or not math.isfinite(cost) or cost < 0:
+        return None
+    return cost
+
+
+def settle_cost(record: CallRecord) -> None:
+    """Set ``record.cost_usd`` and ``record.cost_source`` from its usage and price."""
+    usage = record.usage
+    provider_cost = _provider_cost(usage)
+    if record.cache == "hit":
+        # Answered from the response cache: the provider was not called.
+        record.cost_usd, record.cost_source = 0.0, "cache"
+    elif provider_cost is not None:
+        record.cost_usd, record.cost_source = provider_cost, "provider"
+    elif usage.total_tokens == 0:
+        record.cost_usd, record.cost_source = 0.0, "none"
+    elif record.price is not None:
+        record.cost_usd, record.cost_source = cost_from_price(usage, record.price), "price"
+    else:
+        record.cost_usd, record.cost_source = 0.0, "unpriced"

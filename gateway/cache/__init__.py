@@ -1,0 +1,1 @@
+"""The response cache's domain: keys, stored entries, the semantic index, pgvector, embedders."""

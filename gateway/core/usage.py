@@ -1,0 +1,220 @@
+"""What one chat call used: tokens from the provider's answer, and the call's record.
+
+Non-streaming answers carry ``usage``; streams carry it in a final chunk (the gateway
+asks for it) or, when cut short, it is estimated from the chunks that were delivered.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import orjson
+
+from gateway.core.config import Price
+
+__all__ = ["CallRecord", "StreamTap", "Usage", "usage_from_answer"]
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    #: Provider-reported cost (Venice ``cost.usd`` / ``cost.diem``), if any.
+    cost_usd: float | None = None
+    cost_diem: float | None = None
+    #: True when counted from delivered chunks because the provider reported none.
+    estimated: bool = False
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def absorb(self, obj: dict[str, Any]) -> bool:
+        """Take ``usage`` (and ``cost``) from an answer or chunk; True if found."""
+        usage = obj.get("usage")
+        found = False
+        if isinstance(usage, dict):
+            # ``input_tokens``/``output_tokens``: the same counts under newer names.
+            self.prompt_tokens = _count(usage.get("prompt_tokens", usage.get("input_tokens")))
+            self.completion_tokens = _count(usage.get("completion_tokens", usage.get("output_tokens")))
+            self.estimated = False
+            found = True
+        cost = obj.get("cost")
+        if isinstance(cost, dict):
+            if isinstance(cost.get("usd"), int | float):
+                self.cost_usd = float(cost["usd"])
+            if isinstance(cost.get("diem"), int | float):
+                self.cost_diem = float(cost["diem"])
+        return found
+
+
+def _count(value: Any) -> int:
+    """A token count as reported; anything that is not a non-negative number is 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        return 0
+    return int(value)
+
+
+def usage_from_answer(body: bytes) -> tuple[Usage, dict[str, Any] | None]:
+    """Usage of a whole (non-streaming) answer, and the parsed answer if it is JSON."""
+    usage = Usage()
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return usage, None
+    if isinstance(obj, dict):
+        usage.absorb(obj)
+        return usage, obj
+    return usage, None
+
+
+class StreamTap:
+    """Watches a relayed stream's chunks: ids, finish reasons, usage, delivered text.
+
+    ``inspect`` is called once per ``data:`` payload and says whether to forward it:
+    a usage-only chunk the client did not ask for is swallowed.
+    """
+
+    __slots__ = (
+        "_kept_text",
+        "_saw_usage",
+        "chunks",
+        "client_wants_usage",
+        "done",
+        "finish_reasons",
+        "first_chunk_at",
+        "malformed",
+        "response_id",
+        "response_model",
+        "text_chars",
+        "usage",
+    )
+
+    def __init__(self, *, client_wants_usage: bool, keep_text: bool = False) -> None:
+        self.client_wants_usage = client_wants_usage
+        self.usage = Usage()
+        self.response_id: str | None = None
+        self.response_model: str | None = None
+        self.finish_reasons: list[str] = []
+        self.text_chars = 0
+        self.chunks = 0
+        self.done = False
+        #: A data payload was neither JSON nor [DONE]: the relay ends the stream with an error.
+        self.malformed = False
+        self.first_chunk_at: float | None = None
+        self._saw_usage = False
+        #: The delivered text, kept only when content capture is on (CAPTURE_GENAI_CONTENT).
+        self._kept_text: list[str] | None = [] if keep_text else None
+
+    def inspect(self, data: bytes) -> bool:
+        """Account for one payload; returns False if it must not reach the client."""
+        if data == b"[DONE]":
+            self.done = True
+            return True
+        if self.first_chunk_at is None:
+            self.first_chunk_at = time.monotonic()
+        self.chunks += 1
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self.malformed = True
+            return False
+        if not isinstance(obj, dict):
+            return True
+        if self.response_id is None:
+            self.response_id = obj.get("id")
+            self.response_model = obj.get("model")
+        choices = obj.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if not isinstance(choice, dict):
+                    continue
+                delta = choice.get("delta")
+                if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+                    self.text_chars += len(delta["content"])
+                    if self._kept_text is not None:
+                        self._kept_text.append(delta["content"])
+                reason = choice.get("finish_reason")
+                if isinstance(reason, str):
+                    self.finish_reasons.append(reason)
+        if obj.get("usage") is not None or obj.get("cost") is not None:
+            self._saw_usage = self.usage.absorb(obj) or self._saw_usage
+            if not self.client_wants_usage and choices == []:
+                return False
+        return True
+
+    def kept_text(self) -> str | None:
+        """The delivered text if ``keep_text`` was asked for, else None."""
+        return None if self._kept_text is None else "".join(self._kept_text)
+
+    def final_usage(self, prompt_estimate: int) -> Usage:
+        """The usage to record: reported, or estimated from what was delivered."""
+        if not self._saw_usage:
+            self.usage.prompt_tokens = prompt_estimate
+            # ~4 characters per token, the usual rule of thumb for English text.
+            self.usage.completion_tokens = (self.text_chars + 3) // 4
+            self.usage.estimated = True
+        return self.usage
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """Everything known about one chat call when it ends; what billing and metrics see."""
+
+    request_id: str
+    api_key_id: uuid.UUID | None
+    subject_id: uuid.UUID | None
+    requested_model: str
+    served_model: str | None = None
+    provider: str | None = None
+    deployment: str | None = None
+    status: int = 0
+    outcome: str = "ok"  # ok | provider_error | upstream_error | cancelled | cut
+    stream: bool = False
+    usage: Usage = field(default_factory=Usage)
+    response_id: str | None = None
+    finish_reasons: tuple[str, ...] = ()
+    started_at: float = field(default_factory=time.time)
+    latency: float = 0.0
+    ttft: float | None = None
+    retries: int = 0
+    failovers: int = 0
+    #: The fallback model name that served (or was tried last), when the group's own failed.
+    fallback_model: str | None = None
+    error_type: str | None = None
+    #: Monotonic time the HTTP request arrived (set by the edge; for the overhead metric).
+    received_at: float | None = None
+    #: Monotonic time the first upstream attempt started, and the seconds spent waiting
+    #: for providers until a reply to relay was in hand (all attempts and backoff).
+    upstream_started_at: float | None = None
+    upstream_time: float = 0.0
+    #: Stream chunks relayed.
+    chunks: int = 0
+    #: W3C trace context headers to send upstream (``traceparent``, ``tracestate``).
+    trace_headers: Mapping[str, str] = field(default_factory=lambda: _NO_HEADERS)
+    #: The completion text, kept only when CAPTURE_GENAI_CONTENT=true (for span events).
+    completion: str | None = None
+    #: The gateway's own id for this call: the ledger's idempotency key (never reused,
+    #: unlike ``request_id``, which a client may choose).
+    call_id: uuid.UUID = field(default_factory=uuid.uuid4)
+    #: The price table of the deployment that served the call, if configured.
+    price: Price | None = None
+    #: What the call cost, settled once when it ends (:func:`gateway.billing.pricing.settle_cost`):
+    #: the provider's own ``cost``, else the price table's, else 0.
+    cost_usd: float = 0.0
+    #: provider | price | unpriced (tokens but no way to price them) | none (no tokens)
+    #: | cache (answered from the response cache).
+    cost_source: str = "none"
+    #: Response cache: "hit" (answered from the cache: no provider call, cost 0),
+    #: "miss" (looked up, called the provider), "bypass" (not cacheable), None (cache off).
+    cache: str | None = None
+    #: Cosine similarity of a semantic hit (None for exact hits and everything else).
+    cache_similarity: float | None = None
+
+
+_NO_HEADERS: Mapping[str, str] = MappingProxyType({})

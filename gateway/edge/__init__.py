@@ -1,0 +1,1 @@
+"""The HTTP edge: app factories, server and workers, middleware, admission, CORS, data-plane handlers, OpenAPI."""

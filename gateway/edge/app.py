@@ -1,0 +1,189 @@
+"""App factories for both planes, and the start-up/shutdown of the state they share.
+
+Two aiohttp applications, one per plane, read one :class:`GatewayState`: the data plane
+(``BIND_ADDR``) serves clients, the management plane (``MANAGEMENT_BIND_ADDR``) serves
+operators. :func:`gateway_state` builds the state in dependency order and tears it
+down in reverse (actors stop last-started first).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from actors.auth import AuthActor, AuthHandle
+from actors.billing import BillingActor, BillingHandle
+from actors.breaker import BreakerActor, BreakerHandle
+from actors.cache import start_cache
+from actors.limiter import LimiterActor, LimiterHandle
+from actors.runtime import Supervisor
+from gateway.admin import cache as cache_admin
+from gateway.admin import routes as admin
+from gateway.auth.keys import KeyStore
+from gateway.core.config import ConfigError, GatewayConfig, Settings
+from gateway.core.db import connect_pool, migrate
+from gateway.edge import chat, dataplane, openapi, ratelimit, telemetry
+from gateway.edge.admission import ADMISSION, AdmissionGate, admission_middleware, default_max_in_flight
+from gateway.edge.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
+from gateway.edge.middleware import error_middleware, security_headers
+from gateway.edge.state import STATE, GatewayState
+from gateway.observability.tracing import Tracing
+from gateway.providers import Provider, build_provider
+from gateway.relay.retry import RetryPolicy
+from gateway.relay.routing import Router
+
+__all__ = ["DATA_SERVER_OPTIONS", "build_data_app", "build_management_app", "gateway_state"]
+
+log = logging.getLogger("gateway")
+
+#: aiohttp server options of the data plane. Headers up to 32 KiB reach our own code, so
+#: an absurd Authorization header gets the contract's 401, not a bare parser error;
+#: a client that hangs up cancels its handler, and so its upstream call.
+DATA_SERVER_OPTIONS: dict[str, object] = {
+    "max_line_size": 32 * 1024, "max_field_size": 32 * 1024, "handler_cancellation": True,
+}
+
+MANAGEMENT_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; frame-ancestors 'none'",
+    "Cache-Control": "no-store",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+}
+
+
+def _providers(config: GatewayConfig, session: aiohttp.ClientSession, settings: Settings) -> dict[str, Provider]:
+    built: dict[str, Provider] = {}
+    for name, provider_config in config.providers.items():
+        try:
+            built[name] = build_provider(provider_config, session, request_timeout=settings.request_timeout)
+        except ValueError as exc:
+            raise ConfigError(f"providers.{name}.type: {exc}") from None
+    return built
+
+
+@contextlib.asynccontextmanager
+async def gateway_state(
+    settings: Settings, config: GatewayConfig, dsn: str, *, run_migrations: bool = True
+) -> AsyncIterator[GatewayState]:
+    """Open the pool, migrate, start the actors and providers; undo it all on exit."""
+    tracing = Tracing.from_settings(settings)  # no I/O: the exporter connects when it first sends
+    pool = await connect_pool(dsn)
+    session: aiohttp.ClientSession | None = None
+    supervisor = Supervisor()
+    embedder = None
+    try:
+        if run_migrations:
+            async with pool.acquire() as conn:
+                await migrate(conn)
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=30)
+        session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        # Billing first: actors stop in reverse, so it drains after everything that tells it.
+        billing_actor = BillingActor(pool, settings.journal_dir, ship_interval=settings.billing_ship_interval)
+        billing = BillingHandle(billing_actor, await supervisor.start(billing_actor))
+        auth_actor = AuthActor(pool, dsn)
+        auth_ref = await supervisor.start(auth_actor)
+        breaker_actor = BreakerActor(config.circuit_breaker)
+        breaker_ref = await supervisor.start(breaker_actor)
+        limiter_actor = LimiterActor(config.rate_limits, redis_url=settings.redis_url, pool=pool)
+        limiter_ref = await supervisor.start(limiter_actor)
+        providers = _providers(config, session, settings)
+        router = Router(config)
+        cache, embedder = await start_cache(supervisor, config, settings.redis_url, providers, router, pool=pool)
+        state = GatewayState(
+            settings=settings,
+            config=config,
+            pool=pool,
+            dsn=dsn,
+            supervisor=supervisor,
+            auth=AuthHandle(auth_actor, auth_ref),
+            billing=billing,
+            keys=KeyStore(pool),
+            router=router,
+            providers=providers,
+            session=session,
+            retry_policy=RetryPolicy(max_retries=settings.upstream_max_retries),
+            breaker=BreakerHandle(breaker_actor, breaker_ref),
+            tracing=tracing,
+            limiter=LimiterHandle(limiter_actor, limiter_ref),
+            call_listeners=[billing.record],
+            cache=cache,
+        )
+        # Last, so the metrics listener runs after billing's (which may price the call).
+        telemetry.install(state)
+        yield state
+    finally:
+        await supervisor.stop()
+        await tracing.shutdown()
+        if embedder is not None:
+            embedder.close()
+        if session is not None:
+            await session.close()
+        await pool.close()
+
+
+def build_data_app(state: GatewayState) -> web.Application:
+    """The data plane: health, readiness, chat, models, embeddings."""
+    # Any request header may be asked for (OpenAI SDKs send many); no credentials ride on CORS.
+    cors = CorsPolicy(
+        state.settings.cors_origins, allow_methods=("GET", "POST"), allow_headers=None,
+        expose_headers=DATA_PLANE_EXPOSED,
+    )
+    # Admission right after what observes and what answers CORS: a refused request is
+    # still counted and readable by a browser, and costs no other work.
+    gate = AdmissionGate(state.settings.max_in_flight or default_max_in_flight())
+    # The body limit is enforced by our reader; aiohttp's own cap sits just above it.
+    app = web.Application(
+        middlewares=[
+            telemetry.observe, cors.middleware, admission_middleware(gate), error_middleware,
+            ratelimit.ratelimit_middleware,
+        ],
+        client_max_size=state.settings.body_limit + 1024,
+    )
+    app[STATE] = state
+    app[ADMISSION] = gate
+    state.metrics.watch(gate.metric_families)
+    app.on_response_prepare.append(security_headers({}))
+    app.on_response_prepare.append(cors.on_prepare)
+    app.on_response_prepare.append(ratelimit.add_ratelimit_headers)
+    app.router.add_get("/openapi.json", openapi.document_handler(openapi.data_plane_document()))
+    app.router.add_get("/healthz", dataplane.healthz)
+    app.router.add_get("/readyz", dataplane.readyz)
+    app.router.add_post("/v1/chat/completions", chat.chat_completions)
+    app.router.add_get("/v1/models", dataplane.list_models)
+    app.router.add_post("/v1/embeddings", dataplane.embeddings)
+    return app
+
+
+def build_management_app(
+    state: GatewayState, *, metrics_handler: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None
+) -> web.Application:
+    """The management plane: health, Prometheus metrics, the admin API, its OpenAPI document.
+
+    ``metrics_handler`` replaces this process's own ``/metrics`` (``serve --workers``
+    serves the aggregation of its workers' registries instead).
+    """
+    settings = state.settings
+    # No origin unless MANAGEMENT_CORS_ORIGINS lists it ('*' is refused by load_settings).
+    cors = CorsPolicy(
+        settings.management_cors_origins, allow_methods=("GET", "POST", "PUT", "PATCH", "DELETE"),
+        allow_headers=MANAGEMENT_REQUEST_HEADERS, expose_headers=("x-request-id",),
+    )
+    app = web.Application(
+        middlewares=[telemetry.observe, cors.middleware, error_middleware, admin.admin_guard(
+            admin.AdminAuth(settings.admin_token, settings.admin_token_name)
+        )],
+        client_max_size=admin.admin_body_limit(settings.body_limit) + 1024,
+    )
+    app[STATE] = state
+    app.on_response_prepare.append(security_headers(MANAGEMENT_HEADERS))
+    app.on_response_prepare.append(cors.on_prepare)
+    app.router.add_get("/healthz", dataplane.healthz)
+    app.router.add_get("/metrics", metrics_handler or telemetry.metrics_endpoint)
+    app.router.add_get("/openapi.json", openapi.document_handler(openapi.management_document()))
+    admin.add_admin_routes(app.router)
+    cache_admin.add_routes(app)
+    return app

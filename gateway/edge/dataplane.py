@@ -1,0 +1,95 @@
+"""The data plane's routes other than chat: health, readiness, models, embeddings."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+from aiohttp import web
+
+from gateway.core.errors import InvalidRequest
+from gateway.core.usage import CallRecord, usage_from_answer
+from gateway.edge import telemetry
+from gateway.edge.chat import bearer_token, read_json_body
+from gateway.edge.dispatch import embed
+from gateway.edge.middleware import request_id_of
+from gateway.edge.ratelimit import admit
+from gateway.edge.state import STATE
+
+__all__ = ["embeddings", "healthz", "list_models", "readyz"]
+
+_OK = orjson.dumps({"status": "ok"})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """Alive while the process runs; never touches a dependency."""
+    return web.Response(body=_OK, content_type="application/json")
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """Ready when the database answers and every actor runs; else 503 with what is wrong."""
+    state = request.app[STATE]
+    problems: dict[str, str] = {}
+    if state.draining:
+        problems["server"] = "shutting down"
+    try:
+        async with asyncio.timeout(1.0):
+            await state.pool.fetchval("SELECT 1")
+    except Exception as exc:  # noqa: BLE001 - any failure means "not ready"
+        problems["database"] = f"unreachable: {type(exc).__name__}"
+    for name in state.supervisor.not_running():
+        problems[f"actor:{name}"] = "not running"
+    if not state.auth.listening:
+        problems["key_invalidation"] = "not listening for key changes"
+    body: dict[str, object] = {"status": "ok" if not problems else "unavailable", "checks": problems}
+    # Degraded is still ready: limits keep working from memory (docs/rate-limits.md).
+    degraded = {f"rate_limits:{name}": why for name, why in state.limiter.degraded.items()}
+    if degraded:
+        body["degraded"] = degraded
+        if not problems:
+            body["status"] = "degraded"
+    return web.Response(status=200 if not problems else 503, body=orjson.dumps(body), content_type="application/json")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """The model names this key may use, in OpenAI's list shape."""
+    state = request.app[STATE]
+    key = await state.auth.authenticate(bearer_token(request))
+    telemetry.key_known(request, key.api_key_id)
+    await admit(request, key)
+    created = int(time.time())
+    data = [
+        {"id": name, "object": "model", "created": created, "owned_by": "llm-gateway"}
+        for name in await state.router.list_models(state.providers, key.policy.allowed_models)
+    ]
+    return web.Response(body=orjson.dumps({"object": "list", "data": data}), content_type="application/json")
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """Proxied to the model's deployments that serve embeddings, as chat calls are: under
+    their circuit breakers, with retries, failover and the group's fallbacks
+    (:func:`gateway.edge.dispatch.embed`). A provider's own error answer keeps its status."""
+    state = request.app[STATE]
+    key = await state.auth.authenticate(bearer_token(request))
+    telemetry.key_known(request, key.api_key_id)
+    permit = await admit(request, key)
+    body = await read_json_body(request, state.settings.body_limit)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' must be a non-empty string", code="invalid_model")
+    if "input" not in body:
+        raise InvalidRequest("'input' is required", code="invalid_input")
+    route = state.router.resolve(model, key.policy.allowed_models)
+    state.billing.check_budget(key)  # a spent budget stops embeddings too (402)
+    record = CallRecord(
+        request_id=request_id_of(request), api_key_id=key.api_key_id, subject_id=key.subject_id,
+        requested_model=model,
+    )
+    _target, reply = await embed(state, route, body, record)
+    permit.charge(usage_from_answer(reply.body)[0].total_tokens)
+    return web.Response(
+        status=reply.status,
+        body=reply.body,
+        headers={"Content-Type": reply.headers.get("Content-Type", "application/json")},
+    )

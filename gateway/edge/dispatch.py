@@ -1,0 +1,331 @@
+"""Sending one chat (or embeddings) call: which deployment, how often, and when to move on.
+
+The relay (:mod:`gateway.edge.chat`) asks for a reply; this module decides where it comes
+from. The route's targets are ordered by the group's strategy; each is tried under its
+circuit breaker with the retry policy of :mod:`gateway.relay.retry`, then the next, then
+the group's ``fallbacks`` (model names, resolved like a client's, one level deep).
+
+* A closed circuit costs no hop: the breaker's published snapshot says so. An open one
+  is skipped; when its reset timeout is over, one caller asks the breaker for the
+  single half-open probe.
+* A non-streaming call moves to the next deployment after its retries. A stream is
+  retried and may fail over only while nothing has reached the client: this module
+  reads the first event itself and returns before the relay writes a byte.
+* A timeout or a connection dropped after sending is sent again (anywhere) only where
+  the provider's ``retry_on_timeout`` allows; a connection that never opened always is.
+* A 429 cools its deployment for its Retry-After and moves on at once; only the last
+  candidate waits it out.
+* Nothing attempted because every circuit is open or cooling: 503 ``circuit_open`` with
+  the shortest wait as Retry-After.
+
+Every attempt's outcome goes to the breaker as a tell (never awaited): failures,
+successes with latency (time to first event for streams), 429s, and cancellations as
+neutral. A stream is watched to its end, so a stream cut mid-way counts as a failure.
+
+Embeddings (:func:`embed`) go the same way as a whole chat call, over the targets whose
+provider serves embeddings (others are passed over, not counted as failures).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import orjson
+
+from actors.breaker import DEFAULT_COOLDOWN_SECONDS, Admission, BreakerHandle, Outcome
+from gateway.core.config import ModelGroup
+from gateway.core.errors import CircuitOpen, GatewayError, ModelNotFound, UpstreamTimeout, UpstreamUnavailable
+from gateway.core.usage import CallRecord
+from gateway.edge import telemetry
+from gateway.edge.state import GatewayState
+from gateway.providers.base import (
+    Provider,
+    ProviderError,
+    Timeouts,
+    UpstreamProtocolError,
+    UpstreamReply,
+    UpstreamTimeoutError,
+)
+from gateway.relay.retry import RETRYABLE_STATUSES, is_failure_status, may_resend
+from gateway.relay.routing import Route, Target
+from gateway.relay.sse import event_data
+
+__all__ = ["dispatch", "embed", "timeouts_for"]
+
+#: Added to a probe's timeouts for its lease, so a slow probe is not taken for a lost one.
+_PROBE_LEASE_MARGIN = 5.0
+
+
+def timeouts_for(group: ModelGroup, provider: Provider) -> Timeouts:
+    """The call's timeouts: the group's where set, else the provider's (never one cap)."""
+    if group.connect_timeout is None and group.timeout is None and group.idle_timeout is None:
+        return provider.timeouts
+    base = provider.timeouts
+    return Timeouts(
+        connect=group.connect_timeout or base.connect,
+        total=group.timeout or base.total,
+        idle=group.idle_timeout or base.idle,
+    )
+
+
+async def dispatch(
+    state: GatewayState,
+    route: Route,
+    body: dict[str, Any],
+    record: CallRecord,
+    *,
+    stream: bool,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[Target, UpstreamReply]:
+    """The first good reply among the route's targets, then its fallbacks'.
+
+    Returns the provider's reply (possibly its own error answer, relayed as is).
+    Raises CircuitOpen (nothing healthy), UpstreamTimeout or UpstreamUnavailable.
+    ``record`` gets provider, deployment, retries, failovers and fallback_model, and
+    the time spent waiting on providers. ``headers`` default to the call's trace context.
+    """
+    call = _Call(state, body, record, stream, record.trace_headers if headers is None else headers)
+    return await _run(call, state, route, record)
+
+
+async def embed(
+    state: GatewayState,
+    route: Route,
+    body: dict[str, Any],
+    record: CallRecord,
+    *,
+    headers: Mapping[str, str] | None = None,
+) -> tuple[Target, UpstreamReply]:
+    """An embeddings call, dispatched like a whole chat call (breakers, retries, failover,
+    fallbacks) over the targets whose provider serves embeddings.
+
+    Raises as :func:`dispatch` does, and ModelNotFound when no target serves embeddings.
+    """
+    call = _Call(
+        state, body, record, False, record.trace_headers if headers is None else headers, embeddings=True
+    )
+    return await _run(call, state, route, record)
+
+
+async def _run(call: _Call, state: GatewayState, route: Route, record: CallRecord) -> tuple[Target, UpstreamReply]:
+    chain: list[tuple[str | None, Route]] = [(None, route)]
+    for name in route.group.fallbacks:
+        try:
+            chain.append((name, state.router.resolve(name)))
+        except GatewayError:
+            continue  # config validation keeps this from happening
+    record.upstream_started_at = started = time.monotonic()
+    try:
+        return await call.run(chain)
+    finally:
+        record.upstream_time = time.monotonic() - started
+
+
+class _Call:
+    """One dispatch: what was tried, what failed last, how long the skipped ones wait."""
+
+    __slots__ = (
+        "attempted", "body", "breaker", "capable", "embeddings", "headers", "last_error", "last_reply",
+        "last_target", "record", "state", "stream", "wait",
+    )
+
+    def __init__(
+        self, state: GatewayState, body: dict[str, Any], record: CallRecord, stream: bool,
+        headers: Mapping[str, str], *, embeddings: bool = False,
+    ) -> None:
+        self.state = state
+        #: An embeddings call: only targets whose provider serves embeddings are tried.
+        self.embeddings = embeddings
+        #: Targets that could take this call (open circuits included).
+        self.capable = 0
+        self.breaker = state.breaker
+        self.body = body
+        self.record = record
+        self.stream = stream
+        self.headers = headers
+        self.attempted = 0
+        self.last_error: ProviderError | None = None
+        self.last_reply: UpstreamReply | None = None
+        self.last_target: Target | None = None
+        self.wait: float | None = None
+
+    async def run(self, chain: list[tuple[str | None, Route]]) -> tuple[Target, UpstreamReply]:
+        seen: set[tuple[str, str]] = set()
+        for link, (fallback_model, route) in enumerate(chain):
+            ordered = self.state.router.order(route, self.breaker.view, stream=self.stream)
+            if self.embeddings:
+                # e.g. an Anthropic deployment in the group: passed over, not a failure.
+                providers = self.state.providers
+                ordered = [t for t in ordered if providers[t.provider].serves_embeddings]
+            for index, target in enumerate(ordered):
+                key = (target.deployment.id, target.upstream_model)
+                if key in seen:
+                    continue  # a fallback sharing a deployment: it already failed
+                seen.add(key)
+                self.capable += 1
+                more = index + 1 < len(ordered) or link + 1 < len(chain)
+                reply = await self._try(target, route.group, fallback_model, more=more)
+                if reply is not None:
+                    return target, reply
+        return self._give_up()
+
+    def _skip(self, wait: float) -> None:
+        self.wait = wait if self.wait is None else min(self.wait, wait)
+
+    def _give_up(self) -> tuple[Target, UpstreamReply]:
+        record = self.record
+        if self.embeddings and self.capable == 0:
+            raise ModelNotFound(f"no deployment of model {record.requested_model!r} serves embeddings")
+        if self.attempted == 0:
+            raise CircuitOpen(
+                f"no healthy deployment for model {record.requested_model!r}", retry_after=self.wait or 1.0
+            )
+        if self.last_reply is not None and self.last_target is not None:
+            return self.last_target, self.last_reply  # the provider's own error, relayed
+        if isinstance(self.last_error, UpstreamTimeoutError):
+            raise UpstreamTimeout(f"upstream timed out ({record.retries} retries, {record.failovers} failovers)")
+        raise UpstreamUnavailable(f"upstream unavailable: {self.last_error}")
+
+    async def _try(
+        self, target: Target, group: ModelGroup, fallback_model: str | None, *, more: bool
+    ) -> UpstreamReply | None:
+        """Attempts on one target; the reply to return, or None to move on."""
+        state, breaker, record = self.state, self.breaker, self.record
+        deployment = target.deployment.id
+        provider = state.providers[target.provider]
+        timeouts = timeouts_for(group, provider)
+        max_retries = state.retry_policy.retries_for(provider.config)
+        body = self.body
+        if body.get("model") != target.upstream_model:
+            body = {**body, "model": target.upstream_model}
+        attempt = 0
+        while True:
+            token = 0
+            # A retry has waited out its own 429's cool-down: only the circuit matters then.
+            admission, wait = breaker.admission(deployment, ignore_cooling=attempt > 0)
+            if admission is Admission.WAIT:
+                self._skip(wait)
+                return None
+            if admission is Admission.PROBE:
+                lease = timeouts.connect + (timeouts.idle if self.stream else timeouts.total)
+                permission, token = await breaker.permit(deployment, lease + _PROBE_LEASE_MARGIN)
+                if not permission.granted:
+                    self._skip(permission.retry_after)
+                    return None
+            if attempt == 0:
+                if self.attempted:
+                    record.failovers += 1
+                    telemetry.failed_over(state, *_left_behind(self.last_target, self.last_error, self.last_reply))
+                self.attempted += 1
+                record.provider, record.deployment = target.provider, deployment
+                record.price = target.deployment.price
+                record.fallback_model = fallback_model
+            started = time.monotonic()
+            try:
+                if self.embeddings:
+                    reply = await provider.embeddings(body, headers=self.headers, timeouts=timeouts)
+                else:
+                    reply = await provider.chat(body, stream=self.stream, headers=self.headers, timeouts=timeouts)
+                first = await _first_event(reply) if self.stream and reply.ok and reply.events is not None else None
+            except ProviderError as exc:
+                breaker.report(deployment, Outcome.FAILURE, token=token)
+                self.last_error, self.last_reply, self.last_target = exc, None, target
+                if not may_resend(exc, provider.config):
+                    # It may have run upstream: sending it anywhere again could bill twice.
+                    if isinstance(exc, UpstreamTimeoutError):
+                        raise UpstreamTimeout("upstream timed out (not retried: retry_on_timeout is off)") from None
+                    raise UpstreamUnavailable(f"upstream failed after sending: {exc}") from None
+                if attempt >= max_retries:
+                    return None
+                delay = state.retry_policy.delay(attempt, None)
+                reason = type(exc).__name__
+            except BaseException:  # cancelled (client gone): says nothing of the deployment
+                breaker.report(deployment, Outcome.NEUTRAL, token=token)
+                raise
+            else:
+                elapsed = time.monotonic() - started
+                status = reply.status
+                if status not in RETRYABLE_STATUSES and not is_failure_status(status):
+                    if first is not None:
+                        breaker.report(deployment, Outcome.SUCCESS, token=token, ttft=elapsed)
+                        _watch(reply, first, deployment, breaker)
+                    else:
+                        breaker.report(deployment, Outcome.SUCCESS, token=token, latency=elapsed)
+                    return reply
+                retry_after = reply.retry_after
+                if status == 429:
+                    retry_after = DEFAULT_COOLDOWN_SECONDS if retry_after is None else retry_after
+                    breaker.report(deployment, Outcome.RATE_LIMITED, token=token, retry_after=retry_after)
+                else:
+                    breaker.report(deployment, Outcome.FAILURE, token=token)
+                await reply.release()
+                self.last_error, self.last_reply, self.last_target = None, reply, target
+                if (status == 429 and more) or status not in RETRYABLE_STATUSES:
+                    return None  # cooled: another deployment now beats waiting here
+                too_long = retry_after is not None and retry_after > state.retry_policy.max_retry_after
+                if attempt >= max_retries or too_long:
+                    return None
+                delay = state.retry_policy.delay(attempt, retry_after)
+                reason = str(status)
+            attempt += 1
+            record.retries += 1
+            telemetry.retried(state, target.provider, attempt, reason)
+            await asyncio.sleep(delay)
+
+
+def _left_behind(
+    target: Target | None, error: ProviderError | None, reply: UpstreamReply | None
+) -> tuple[str, str]:
+    """The deployment a call is leaving and why (error name or status), for the span."""
+    why = type(error).__name__ if error is not None else str(reply.status) if reply is not None else "skipped"
+    return (target.deployment.id if target is not None else "none"), why
+
+
+async def _first_event(reply: UpstreamReply) -> bytes:
+    """Read a stream's first event before anything is relayed (so failover stays possible)."""
+    assert reply.events is not None
+    try:
+        first = await anext(reply.events)
+    except StopAsyncIteration:
+        await reply.release()
+        raise UpstreamProtocolError("upstream ended the stream before its first event") from None
+    except BaseException:
+        await reply.release()
+        raise
+    data = event_data(first)
+    if data is not None and data != b"[DONE]":
+        try:
+            orjson.loads(data)
+        except orjson.JSONDecodeError:
+            # Still nothing relayed: fail here, so the call may be retried or fail over.
+            await reply.release()
+            raise UpstreamProtocolError("upstream's first stream event is not JSON") from None
+    return first
+
+
+def _watch(reply: UpstreamReply, first: bytes, deployment: str, breaker: BreakerHandle) -> None:
+    """Relay ``first`` then the rest; a stream cut or broken mid-way is a failure.
+
+    A relay that stops reading (client gone) leaves the generator unfinished: neutral.
+    """
+    inner = reply.events
+    assert inner is not None
+
+    async def events() -> AsyncIterator[bytes]:
+        done = event_data(first) == b"[DONE]"
+        try:
+            yield first
+            async for event in inner:
+                if not done and event_data(event) == b"[DONE]":
+                    done = True
+                yield event
+        except ProviderError:
+            breaker.report(deployment, Outcome.FAILURE)
+            raise
+        if not done:
+            breaker.report(deployment, Outcome.FAILURE)
+
+    reply.events = events()

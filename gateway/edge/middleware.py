@@ -1,0 +1,117 @@
+"""Edge concerns shared by both planes: request ids, the error shape, security headers.
+
+Errors cross the edge only in the contract's shape: gateway errors render themselves,
+actor errors mean overload, aiohttp's own HTTP errors are reshaped, and anything else
+is a 500 with the request id (the traceback goes to the log, never to the client).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from actors.auth import Unauthenticated
+from actors.runtime import ActorError
+from gateway.core.errors import (
+    AuthenticationFailed,
+    GatewayError,
+    Overloaded,
+    RequestTooLarge,
+    error_body,
+)
+from gateway.edge.state import STATE
+
+__all__ = ["REQUEST_ID", "error_middleware", "request_id_of", "security_headers"]
+
+log = logging.getLogger("gateway.http")
+
+REQUEST_ID = "x-request-id"
+_REQUEST_ID_KEY = web.RequestKey("request_id", str)
+#: A client's own request id is kept only if it is short and plain (no header injection).
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _new_id() -> str:
+    """32 hex digits, like ``uuid4().hex`` at a fifth of the price (no system call).
+
+    A request id must be unique, not secret; ``random`` is reseeded in forked children.
+    """
+    return f"{random.getrandbits(128):032x}"
+
+
+def request_id_of(request: web.Request) -> str:
+    """The request's id: the client's if acceptable, else a new one (memoised)."""
+    rid = request.get(_REQUEST_ID_KEY)
+    if rid is None:
+        sent = request.headers.get(REQUEST_ID)
+        rid = sent if sent is not None and _CLIENT_ID.fullmatch(sent) else _new_id()
+        request[_REQUEST_ID_KEY] = rid
+    return rid
+
+
+_HTTP_CODES = {
+    400: ("invalid_request_error", "invalid_request"),
+    401: ("authentication_error", "invalid_api_key"),
+    403: ("permission_error", "forbidden"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request_id_of(request)
+    try:
+        return await handler(request)
+    except GatewayError as exc:
+        return exc.to_response()
+    except Unauthenticated as exc:
+        # Counted by reason; the client's 401 is the same whatever the reason.
+        state = request.app.get(STATE)
+        if state is not None:
+            state.metrics.auth_failed(exc.reason)
+        return AuthenticationFailed().to_response()
+    except ActorError as exc:
+        log.warning("shed request %s: %s", request_id_of(request), exc)
+        return Overloaded(retry_after=1).to_response()
+    except web.HTTPRequestEntityTooLarge:
+        return RequestTooLarge().to_response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        type_, code = _HTTP_CODES.get(exc.status, ("invalid_request_error", None))
+        return web.Response(
+            status=exc.status,
+            body=error_body(exc.reason, type_, code),
+            content_type="application/json",
+            headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
+        )
+    except Exception:
+        # A bug: log it with the request id; the client gets the shape, not the traceback.
+        log.exception("unhandled error in request %s", request_id_of(request))
+        return web.Response(
+            status=500,
+            body=error_body("internal error", "server_error", "internal_error"),
+            content_type="application/json",
+        )
+
+
+def security_headers(extra: dict[str, str]) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
+    """An ``on_response_prepare`` hook: request id and security headers on every answer.
+
+    A signal, not a middleware, so streamed answers (prepared inside handlers) get them.
+    """
+    static = {"X-Content-Type-Options": "nosniff", **extra}
+
+    async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[REQUEST_ID] = request_id_of(request)
+        for name, value in static.items():
+            response.headers.setdefault(name, value)
+
+    return on_prepare

@@ -1,0 +1,212 @@
+"""Where metrics, traces and logs meet the request path: the edge middleware, the
+``/metrics`` route, the chat-call hooks, and the wiring done at start-up.
+
+* :func:`observe` (outermost middleware of both planes) times every request, counts it
+  by route template and status, binds its request id for log lines and writes the one
+  JSON access line per request (logger ``gateway.access``).
+* :func:`begin_call` / :func:`end_call` bracket a chat call in :mod:`gateway.edge.chat`:
+  the span, the trace headers for the provider, the record the access line reads.
+* :func:`key_known` is called by every key-authenticated handler once the key is
+  verified, so the access line names the key's id on every route, refusals included.
+* :func:`retried` / :func:`failed_over` are called by :mod:`gateway.edge.dispatch`.
+* :func:`install` subscribes the metrics to finished calls and points the scrape at
+  the actors' state; :func:`metrics_endpoint` serves ``GET /metrics``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from aiohttp import web
+
+from gateway.core.usage import CallRecord
+from gateway.edge.middleware import request_id_of
+from gateway.edge.state import STATE, GatewayState
+from gateway.observability import logs
+from gateway.observability.metrics import CONTENT_TYPE, cost_of
+from gateway.observability.tracing import ChatSpan, note_failover, note_retry
+
+__all__ = [
+    "CALL_RECORD",
+    "begin_call",
+    "end_call",
+    "failed_over",
+    "install",
+    "key_known",
+    "metrics_endpoint",
+    "observe",
+    "retried",
+    "route_label",
+]
+
+access_log = logging.getLogger(logs.ACCESS_LOGGER)
+
+#: The chat call's record, for the access line of its request.
+CALL_RECORD = web.RequestKey("call_record", CallRecord)
+#: The verified key's id (never the key), for the access line of every authenticated route.
+KEY_ID = web.RequestKey("key_id", uuid.UUID)
+#: Monotonic arrival time of the request, for the overhead metric.
+RECEIVED_AT = web.RequestKey("received_at", float)
+#: Route label of requests that matched no route (404/405): one series, whatever the path.
+UNMATCHED = "unmatched"
+#: Status recorded for a request whose client went away before the answer (nginx's 499).
+CLIENT_CLOSED = 499
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def route_label(request: web.Request) -> str:
+    """The route template that matched (``/admin/keys/{id}``), never the raw path."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else UNMATCHED
+
+
+@web.middleware
+async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Time, count and log every request; outermost, so it sees the final status."""
+    received = time.monotonic()
+    request[RECEIVED_AT] = received
+    state = request.app[STATE]
+    metrics = state.metrics
+    route = route_label(request)
+    token = logs.bind_request_id(request_id_of(request))
+    in_flight = metrics.in_flight(route)
+    in_flight.inc()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = CLIENT_CLOSED
+        raise
+    finally:
+        elapsed = time.monotonic() - received
+        in_flight.dec()
+        metrics.request_done(route, status, elapsed)
+        if access_log.isEnabledFor(logging.INFO):
+            _access_line(request, route, status, elapsed)
+        logs.reset_request_id(token)
+
+
+def _access_line(request: web.Request, route: str, status: int, elapsed: float) -> None:
+    fields: dict[str, Any] = {
+        "request_id": request_id_of(request),
+        "method": request.method,
+        "route": route,
+        "path": request.path,
+        "status": status,
+        "latency_ms": round(elapsed * 1000, 3),
+        "client_ip": request.remote,
+    }
+    key_id = request.get(KEY_ID)
+    if key_id is not None:
+        fields["key_id"] = str(key_id)
+    record = request.get(CALL_RECORD)
+    if record is not None:
+        fields.update(
+            key_id=str(record.api_key_id) if record.api_key_id else None,
+            model=record.requested_model,
+            served_model=record.served_model,
+            provider=record.provider,
+            stream=record.stream,
+            outcome=record.outcome,
+            input_tokens=record.usage.prompt_tokens,
+            output_tokens=record.usage.completion_tokens,
+            tokens_estimated=record.usage.estimated,
+            cost_usd=cost_of(record),
+            ttft_ms=round(record.ttft * 1000, 3) if record.ttft is not None else None,
+            retries=record.retries,
+            failovers=record.failovers,
+            error=record.error_type,
+        )
+    access_log.info("access", extra={"fields": fields})
+
+
+def key_known(request: web.Request, api_key_id: uuid.UUID) -> None:
+    """The request's key is verified: its id goes on the access line whatever follows."""
+    request[KEY_ID] = api_key_id
+
+
+# -- the chat call --------------------------------------------------------------------------
+def begin_call(request: web.Request, record: CallRecord, body: Mapping[str, Any]) -> ChatSpan | None:
+    """Start observing a chat call: its span (if tracing), trace headers, access record."""
+    request[CALL_RECORD] = record
+    record.received_at = request.get(RECEIVED_AT)
+    return request.app[STATE].tracing.start_chat(record, body, request.headers)
+
+
+def end_call(request: web.Request, scope: ChatSpan | None, record: CallRecord) -> None:
+    """End the call's span; run after the call listeners (billing may set the cost)."""
+    if scope is not None:
+        request.app[STATE].tracing.end_chat(scope, record, cost_of(record))
+
+
+def retried(state: GatewayState, provider: str, attempt: int, reason: str) -> None:
+    """An upstream attempt is about to be repeated (``reason``: status or error name)."""
+    state.metrics.retried(provider, reason)
+    note_retry(provider, attempt, reason)
+
+
+def failed_over(state: GatewayState, deployment: str, reason: str) -> None:
+    """A call leaves ``deployment`` for the next target (counted from the record at the end)."""
+    note_failover(deployment, reason)
+
+
+# -- start-up and the scrape ----------------------------------------------------------------
+def install(state: GatewayState) -> None:
+    """Subscribe metrics to finished calls and point the scrape at live state.
+
+    Components that may or may not exist yet (billing, limiter) are found by attribute,
+    so this works before and after they land; they may also register themselves with
+    ``state.metrics.watch_*``.
+    """
+    metrics = state.metrics
+    metrics.watch_actors(state.supervisor.refs)
+    metrics.watch_key_invalidation(lambda: state.auth.listening)
+    breaker = getattr(state, "breaker", None)
+    if breaker is not None and hasattr(breaker, "statuses"):
+        # The observer's view: an open circuit whose reset time has passed reads half-open.
+        metrics.watch_circuits(lambda: {s.deployment: int(s.state) for s in breaker.statuses(state.config)})
+    pending = _reader(state, "billing", "pending_events")
+    if pending is not None:
+        metrics.watch_billing(pending)
+    degraded = _reader(state, "limiter", "degraded")
+    if degraded is not None:
+        metrics.watch_limiter(lambda: bool(degraded()))
+    cache = getattr(state, "cache", None)
+    if cache is not None:
+        metrics.watch_cache(cache.stats)
+        cache.similarity_listeners.append(metrics.cache_similarity)
+    rejection_listeners = getattr(getattr(state, "limiter", None), "rejection_listeners", None)
+    if rejection_listeners is not None:
+        rejection_listeners.append(metrics.rate_limited)
+    state.tracing.providers = state.providers
+    state.call_listeners.append(metrics.observe_call)
+
+
+def _reader(state: GatewayState, component: str, attribute: str) -> Callable[[], Any] | None:
+    """A function reading ``state.<component>.<attribute>`` (called if callable), or None."""
+    owner = getattr(state, component, None)
+    if owner is None or not hasattr(owner, attribute):
+        return None
+
+    def read() -> Any:
+        value = getattr(owner, attribute)
+        return value() if callable(value) else value
+
+    return read
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text, rendered off the event loop."""
+    body = await request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})

@@ -1,0 +1,1 @@
+"""Rate-limit windows: the `limits` storages the LimiterActor drives."""

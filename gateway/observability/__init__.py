@@ -1,0 +1,1 @@
+"""Metrics, traces and logs, each defined once."""

@@ -1,0 +1,1 @@
+"""Sending calls upstream: routing, strategies, the retry policy and the SSE reader."""
