@@ -18,6 +18,10 @@ the actor one event per call; when the mailbox is full the event is appended to 
 journal directly instead (the append is synchronous and needs no await, so it is safe
 from any task on the loop), never dropped. On stop (SIGTERM) the actor drains: the
 mailbox, a last fsync, a last ship; what cannot be shipped stays on disk for next start.
+
+Why one module of ~520 lines: an actor's messages, handle, loop and start/stop read top to
+bottom in one file (the house style for actors); the journal, the ledger's rows and budgets
+already live in gateway/billing.
 """
 
 from __future__ import annotations

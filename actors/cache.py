@@ -21,6 +21,11 @@ State it owns:
 
 Handlers hold a :class:`CacheHandle`: ``ticket`` decides what a request may do (one dict
 lookup when its group has no cache), ``lookup`` finds a hit, ``store`` tells the actor.
+
+Why one module of ~860 lines: one actor per module (messages, handle, loop, start), and the
+cache actor owns three tiers (in-process LRU, semantic index, Redis announcements) whose
+bookkeeping must stay consistent; the pure parts (keys, entries, indexes, embedders) live
+in gateway/cache.
 """
 
 from __future__ import annotations

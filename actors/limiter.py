@@ -21,6 +21,10 @@ concurrency slot taken alongside a rejected hit is given back.
 Memory decisions are made inside the actor's loop with no I/O (microseconds). Remote
 ones run as tasks; their storage commands of one event-loop turn share one Redis
 pipeline, and each result comes back on the internal lane, where state changes.
+
+Why one module of ~900 lines: one actor per module; the limiter's windows, token quotas,
+concurrency leases, storage outage fallback and the edge's handle share one state and one
+set of messages. The storages themselves live in gateway/limits/storage.py.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from actors.runtime import Actor, ActorError, ActorRef, ActorStopped, AskTimeout, MailboxFull, Supervisor
-from gateway.edge.middleware import error_middleware
+from gateway.http.middleware import error_middleware
 from tests.conftest import Gateway, chat_body
 
 

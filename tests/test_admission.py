@@ -1,4 +1,4 @@
-"""The admission gate (gateway/edge/admission.py) on an in-process gateway: the in-flight
+"""The admission gate (gateway/http/admission.py) on an in-process gateway: the in-flight
 bound answers 503 ``overloaded`` at once, health routes are never gated, the drain
 refuses new work, and the abort ends what is left in the contract's shape."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gateway.core.config import ConfigError, load_settings
-from gateway.edge.admission import ADMISSION, SHUTDOWN, AdmissionGate, default_max_in_flight, is_shutdown
+from gateway.http.admission import ADMISSION, SHUTDOWN, AdmissionGate, default_max_in_flight, is_shutdown
 from tests.conftest import FakeUpstream, auth, chat_body, config_for, sse_payloads
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from gateway.core.errors import InvalidRequest
 from gateway.edge.chat import parse_chat_body
-from gateway.relay.sse import EventTooLarge, event_data, iter_events
+from gateway.protocols.sse import EventTooLarge, event_data, iter_events
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),

@@ -24,6 +24,7 @@ from actors.runtime import Supervisor
 from gateway.auth.keys import KeyPolicy
 from gateway.core.config import RateLimitSettings
 from gateway.core.errors import RateLimited
+from gateway.http.errors import error_response
 from gateway.limits.storage import LocalStorage, PostgresWindowStorage, RedisWindowStorage, Windows
 
 HOUR = 3600
@@ -135,7 +136,7 @@ async def test_requests_are_exact_at_the_boundary(
         assert error.status == 429 and error.error_code == "rate_limit_exceeded"
         assert error.headers["x-ratelimit-remaining-requests"] == "0"
         assert error.retry_after is not None and 0 < error.retry_after <= HOUR
-        response = error.to_response()
+        response = error_response(error)
         assert 1 <= int(response.headers["Retry-After"]) <= HOUR
     # A rejected request consumes nothing: the window still holds exactly five.
     assert await stored_count(limiter, key, 5, HOUR) == 5
@@ -213,7 +214,7 @@ async def test_tokens_are_checked_before_and_charged_after(
         await limiter.handle.acquire(key)
     assert caught.value.headers["x-ratelimit-remaining-tokens"] == "0"
     assert "tokens" in caught.value.message
-    assert 1 <= int(caught.value.to_response().headers["Retry-After"]) <= 60
+    assert 1 <= int(error_response(caught.value).headers["Retry-After"]) <= 60
     # The request hit counted alongside was given back.
     assert await stored_count(limiter, key, 100, HOUR) == requests_before
     assert limiter.actor.rejections["tokens"] == 1
@@ -350,7 +351,7 @@ async def test_per_ip_guard_with_and_without_burst(limiter_factory: Any) -> None
     assert results.count(None) == 5
     for refused in results[5:]:
         assert isinstance(refused, RateLimited)
-        assert 1 <= int(refused.to_response().headers["Retry-After"]) <= 60
+        assert 1 <= int(error_response(refused).headers["Retry-After"]) <= 60
     assert await guard(plain.handle, "10.0.0.2") is None  # another address has its own window
     bursty = await limiter_factory(per_ip="5/minute", per_ip_burst=3)
     results = [await guard(bursty.handle, "10.0.0.1") for _ in range(10)]

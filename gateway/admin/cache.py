@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 
 from gateway.core.errors import GatewayError, InvalidRequest
-from gateway.edge.state import STATE
+from gateway.http.state import STATE
 
 __all__ = ["PURGE_SELECTORS", "add_routes"]
 

@@ -29,7 +29,7 @@ from gateway.auth.keys import (
     Unchanged,
 )
 from gateway.core.errors import InvalidRequest
-from gateway.edge.chat import read_json_body
+from gateway.http.bodies import read_json_body
 
 __all__ = [
     "ADMIN_BODY_LIMIT",

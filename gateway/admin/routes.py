@@ -57,8 +57,8 @@ from gateway.core.errors import (
     NotFound,
     ServiceUnavailable,
 )
-from gateway.edge.middleware import request_id_of
-from gateway.edge.state import STATE
+from gateway.http.middleware import request_id_of
+from gateway.http.state import STATE
 
 __all__ = ["ADMIN_ACTOR", "AdminAuth", "add_admin_routes", "admin_body_limit", "admin_guard"]
 

@@ -24,7 +24,7 @@ from gateway.admin.input import UsageQuery
 from gateway.billing.reports import UsageQuery as ReportQuery
 from gateway.billing.reports import usage_report
 from gateway.core.config import Deployment
-from gateway.edge.state import GatewayState
+from gateway.http.state import GatewayState
 
 __all__ = ["DeploymentHealth", "UsageRow", "deployment_health", "providers_view", "usage_rows", "usage_view"]
 

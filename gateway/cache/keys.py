@@ -34,7 +34,7 @@ from aiohttp import web
 from gateway.cache.store import CacheEntry
 from gateway.core.config import CachePolicy
 from gateway.core.usage import CallRecord, Usage
-from gateway.relay.sse import event_data
+from gateway.protocols.sse import event_data
 
 if TYPE_CHECKING:
     from actors.cache import CacheHandle

@@ -20,18 +20,16 @@
     ├── NotFound                    404 not_found (code varies: key_not_found, ...)
     └── Conflict                    409 conflict (code varies: key_state_conflict, ...)
 
-Every one renders to ``{"error": {"message", "type", "code"}}`` in one place:
-:meth:`GatewayError.to_response`. An error answered by a provider is not a
-GatewayError: it is relayed with its own status and body.
+These are the domain's errors: what went wrong, with the contract row (status, type,
+code) each one answers as. Nothing here knows HTTP; :mod:`gateway.http.errors` renders
+every one to ``{"error": {"message", "type", "code"}}`` (or an SSE error event) in one
+place. An error answered by a provider is not a GatewayError: it is relayed with its
+own status and body.
 """
 
 from __future__ import annotations
 
-import math
 from typing import ClassVar
-
-import orjson
-from aiohttp import web
 
 __all__ = [
     "AdminDisabled",
@@ -52,13 +50,7 @@ __all__ = [
     "ServiceUnavailable",
     "UpstreamTimeout",
     "UpstreamUnavailable",
-    "error_body",
 ]
-
-
-def error_body(message: str, type_: str, code: str | None) -> bytes:
-    """The contract's error JSON, encoded."""
-    return orjson.dumps({"error": {"message": message, "type": type_, "code": code}})
 
 
 class GatewayError(Exception):
@@ -82,24 +74,6 @@ class GatewayError(Exception):
         self.retry_after = retry_after
         self.headers = headers or {}
         super().__init__(self.message)
-
-    def to_response(self) -> web.Response:
-        """Render this error; ``Retry-After`` is whole seconds and never 0."""
-        headers = dict(self.headers)
-        if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
-        return web.Response(
-            status=self.status,
-            body=error_body(self.message, self.type, self.error_code),
-            content_type="application/json",
-            headers=headers,
-        )
-
-    def to_event(self) -> bytes:
-        """Render as the one SSE error event sent after a stream has started."""
-        return b"data: " + orjson.dumps(
-            {"error": {"message": self.message, "type": self.type, "code": self.error_code}}
-        ) + b"\n\n"
 
 
 class InvalidRequest(GatewayError):

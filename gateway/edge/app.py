@@ -27,10 +27,10 @@ from gateway.auth.keys import KeyStore
 from gateway.core.config import ConfigError, GatewayConfig, Settings
 from gateway.core.db import connect_pool, migrate
 from gateway.edge import chat, dataplane, openapi, ratelimit, telemetry
-from gateway.edge.admission import ADMISSION, AdmissionGate, admission_middleware, default_max_in_flight
-from gateway.edge.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
-from gateway.edge.middleware import error_middleware, security_headers
-from gateway.edge.state import STATE, GatewayState
+from gateway.http.admission import ADMISSION, AdmissionGate, admission_middleware, default_max_in_flight
+from gateway.http.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
+from gateway.http.middleware import error_middleware, security_headers
+from gateway.http.state import STATE, GatewayState
 from gateway.observability.tracing import Tracing
 from gateway.providers import Provider, build_provider
 from gateway.relay.retry import RetryPolicy

@@ -14,7 +14,6 @@ import logging
 import time
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from gateway.billing.pricing import settle_cost
@@ -22,24 +21,24 @@ from gateway.cache.keys import CacheTicket, replay
 from gateway.core.errors import (
     GatewayError,
     InvalidRequest,
-    RequestTimeout,
-    RequestTooLarge,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from gateway.core.tokens import prompt_tokens
 from gateway.core.usage import CallRecord, StreamTap, usage_from_answer
 from gateway.edge import telemetry
-from gateway.edge.admission import ShuttingDown, is_shutdown
 from gateway.edge.dispatch import dispatch
-from gateway.edge.middleware import request_id_of
 from gateway.edge.ratelimit import admit
-from gateway.edge.state import STATE, GatewayState
+from gateway.http.admission import ShuttingDown, is_shutdown
+from gateway.http.bodies import bearer_token, read_json_body
+from gateway.http.errors import error_event
+from gateway.http.middleware import request_id_of
+from gateway.http.state import STATE, GatewayState
+from gateway.protocols.sse import event_data
 from gateway.providers.base import ProviderError, UpstreamTimeoutError
 from gateway.relay.routing import Route
-from gateway.relay.sse import event_data
-from gateway.testing import fake_llm
 
-__all__ = ["bearer_token", "chat_completions", "parse_chat_body", "read_json_body"]
+__all__ = ["chat_completions", "parse_chat_body"]
 
 log = logging.getLogger("gateway.chat")
 
@@ -49,39 +48,6 @@ _SSE_HEADERS = {
     "X-Accel-Buffering": "no",  # nginx: do not buffer the relay
 }
 _USAGE_NULL = b',"usage":null'
-
-
-def bearer_token(request: web.Request) -> str | None:
-    """The key from ``Authorization: Bearer KEY`` or ``x-api-key: KEY``."""
-    auth = request.headers.get("Authorization")
-    if auth is not None:
-        scheme, _, token = auth.partition(" ")
-        return token.strip() if scheme.lower() == "bearer" else None
-    return request.headers.get("x-api-key")
-
-
-async def read_json_body(request: web.Request, limit: int) -> dict[str, Any]:
-    """The request's JSON object; 413 over ``limit`` bytes, 400 if not a JSON object,
-    408 if it does not arrive within ``CLIENT_IDLE_TIMEOUT_SECONDS`` (a slow-body client
-    must not hold a request slot for ever)."""
-    if request.content_length is not None and request.content_length > limit:
-        raise RequestTooLarge(f"request body over {limit} bytes")
-    try:
-        async with asyncio.timeout(request.app[STATE].settings.client_idle_timeout):
-            # Whole body: content.read(n) returns what has arrived so far, not n bytes. aiohttp's
-            # own cap (client_max_size, just above the limit) answers 413 for a chunked giant.
-            raw = await request.read()
-    except TimeoutError:
-        raise RequestTimeout() from None
-    if len(raw) > limit:
-        raise RequestTooLarge(f"request body over {limit} bytes")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    return body
 
 
 def parse_chat_body(body: dict[str, Any]) -> tuple[str, bool]:
@@ -241,7 +207,7 @@ async def _stream(
             exc, UpstreamTimeoutError
         ) else UpstreamUnavailable(f"upstream stream failed: {exc}")
         try:
-            await response.write(error.to_event())
+            await response.write(error_event(error))
         except ConnectionError:
             pass
     except ConnectionError:
@@ -255,7 +221,7 @@ async def _stream(
         record.outcome = "cut"
         record.error_type = "shutdown"
         try:
-            await response.write(ShuttingDown("gateway shutting down: stream cut").to_event())
+            await response.write(error_event(ShuttingDown("gateway shutting down: stream cut")))
         except ConnectionError:
             pass
     finally:
@@ -265,7 +231,7 @@ async def _stream(
         record.response_id = tap.response_id
         record.served_model = tap.response_model or record.served_model
         record.finish_reasons = tuple(tap.finish_reasons)
-        record.usage = tap.final_usage(fake_llm.prompt_tokens(body.get("messages") or []))
+        record.usage = tap.final_usage(prompt_tokens(body.get("messages") or []))
         record.chunks = tap.chunks
         record.completion = tap.kept_text()
         if cache is not None and tap.done:

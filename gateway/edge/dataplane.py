@@ -11,11 +11,11 @@ from aiohttp import web
 from gateway.core.errors import InvalidRequest
 from gateway.core.usage import CallRecord, usage_from_answer
 from gateway.edge import telemetry
-from gateway.edge.chat import bearer_token, read_json_body
 from gateway.edge.dispatch import embed
-from gateway.edge.middleware import request_id_of
 from gateway.edge.ratelimit import admit
-from gateway.edge.state import STATE
+from gateway.http.bodies import bearer_token, read_json_body
+from gateway.http.middleware import request_id_of
+from gateway.http.state import STATE
 
 __all__ = ["embeddings", "healthz", "list_models", "readyz"]
 

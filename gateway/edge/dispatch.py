@@ -40,7 +40,8 @@ from gateway.core.config import ModelGroup
 from gateway.core.errors import CircuitOpen, GatewayError, ModelNotFound, UpstreamTimeout, UpstreamUnavailable
 from gateway.core.usage import CallRecord
 from gateway.edge import telemetry
-from gateway.edge.state import GatewayState
+from gateway.http.state import GatewayState
+from gateway.protocols.sse import event_data
 from gateway.providers.base import (
     Provider,
     ProviderError,
@@ -51,7 +52,6 @@ from gateway.providers.base import (
 )
 from gateway.relay.retry import RETRYABLE_STATUSES, is_failure_status, may_resend
 from gateway.relay.routing import Route, Target
-from gateway.relay.sse import event_data
 
 __all__ = ["dispatch", "embed", "timeouts_for"]
 

@@ -20,7 +20,7 @@ from aiohttp import web
 from actors.auth import VerifiedKey
 from actors.limiter import Permit
 from gateway.core.errors import RateLimited
-from gateway.edge.state import STATE
+from gateway.http.state import STATE
 
 __all__ = ["PERMIT", "add_ratelimit_headers", "admit", "client_ip", "ratelimit_middleware"]
 

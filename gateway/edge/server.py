@@ -3,7 +3,7 @@
 Order (after uvicorn): stop accepting on the data plane and close its idle keep-alive
 connections, let in-flight requests and streams finish for up to
 ``SHUTDOWN_GRACE_SECONDS``, then end what is left (a stream gets one error event, a
-request not yet answered a 503 ``shutting_down``: see :mod:`gateway.edge.admission`), then
+request not yet answered a 503 ``shutting_down``: see :mod:`gateway.http.admission`), then
 stop the management plane and the actors, last-started first, so billing drains after
 everything that tells it. A second signal skips the wait.
 """
@@ -22,8 +22,8 @@ from aiohttp import web
 from gateway.auth.keys import DEV_KEY, KeyStore
 from gateway.core.config import GatewayConfig, Settings
 from gateway.core.db import embedded_database_url
-from gateway.edge.admission import ADMISSION, AdmissionGate, raise_open_file_limit
 from gateway.edge.app import DATA_SERVER_OPTIONS, build_data_app, build_management_app, gateway_state
+from gateway.http.admission import ADMISSION, AdmissionGate, raise_open_file_limit
 from gateway.observability.logfilters import install_log_filters
 
 __all__ = ["resolve_database_url", "run", "serve"]

@@ -25,8 +25,8 @@ from typing import Any
 from aiohttp import web
 
 from gateway.core.usage import CallRecord
-from gateway.edge.middleware import request_id_of
-from gateway.edge.state import STATE, GatewayState
+from gateway.http.middleware import request_id_of
+from gateway.http.state import STATE, GatewayState
 from gateway.observability import logs
 from gateway.observability.metrics import CONTENT_TYPE, cost_of
 from gateway.observability.tracing import ChatSpan, note_failover, note_retry

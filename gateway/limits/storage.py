@@ -15,6 +15,9 @@ this module gives them three storages and one small wrapper:
 * :class:`Windows`: a strategy over a storage, with the operations the limiter needs:
   ``hit`` (never consuming on rejection), ``stats``, and ``add`` (an unconditional
   charge or refund, for token usage known only after the call).
+
+Why one module of ~560 lines: the three storages (memory, Redis, PostgreSQL) implement one
+interface and share the window arithmetic; side by side they are easy to keep in step.
 """
 
 from __future__ import annotations

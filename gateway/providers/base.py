@@ -19,8 +19,8 @@ import aiohttp
 import orjson
 
 from gateway.core.config import ProviderConfig
+from gateway.protocols.sse import EventTooLarge
 from gateway.providers.credentials import Credential
-from gateway.relay.sse import EventTooLarge
 
 __all__ = [
     "Provider",

@@ -1,7 +1,7 @@
 """The built-in ``mock`` provider: deterministic answers offline, with usage.
 
 It makes the quick start work with no network and no provider account. Answers come
-from :mod:`gateway.testing.fake_llm`, the same generator the standalone fake provider serves
+from :mod:`gateway.providers.mock_text`, the same generator the standalone fake provider serves
 over HTTP, so the mock and the fake agree byte for byte on content and usage.
 """
 
@@ -14,8 +14,8 @@ from typing import Any
 
 import orjson
 
+from gateway.providers import mock_text
 from gateway.providers.base import Provider, Timeouts, UpstreamReply
-from gateway.testing import fake_llm
 
 __all__ = ["MockProvider"]
 
@@ -44,21 +44,21 @@ class MockProvider(Provider):
         response_id = f"chatcmpl-mock-{next(self._ids)}"
         created = int(time.time())
         if not stream:
-            answer = fake_llm.completion(body, response_id=response_id, created=created)
+            answer = mock_text.completion(body, response_id=response_id, created=created)
             return UpstreamReply(status=200, headers=_JSON, body=orjson.dumps(answer))
-        chunks = fake_llm.stream_chunks(body, response_id=response_id, created=created)
+        chunks = mock_text.stream_chunks(body, response_id=response_id, created=created)
         return UpstreamReply(status=200, headers=_SSE, events=_replay(chunks))
 
     async def embeddings(
         self, body: dict[str, Any], *, headers: Mapping[str, str], timeouts: Timeouts | None = None
     ) -> UpstreamReply:
-        return UpstreamReply(status=200, headers=_JSON, body=orjson.dumps(fake_llm.embeddings(body)))
+        return UpstreamReply(status=200, headers=_JSON, body=orjson.dumps(mock_text.embeddings(body)))
 
     async def list_models(self) -> list[str]:
-        return list(fake_llm.MODEL_IDS)
+        return list(mock_text.MODEL_IDS)
 
 
 async def _replay(chunks: list[dict[str, Any]]) -> AsyncIterator[bytes]:
     for chunk in chunks:
-        yield fake_llm.encode_event(chunk)
-    yield fake_llm.DONE_EVENT
+        yield mock_text.encode_event(chunk)
+    yield mock_text.DONE_EVENT

@@ -14,6 +14,7 @@ import aiohttp
 import orjson
 
 from gateway.core.config import ProviderConfig
+from gateway.protocols.sse import iter_events
 from gateway.providers.base import (
     Provider,
     Timeouts,
@@ -23,7 +24,6 @@ from gateway.providers.base import (
     fetch_model_ids,
     map_transport_errors,
 )
-from gateway.relay.sse import iter_events
 
 __all__ = ["OpenAIProvider"]
 

@@ -14,6 +14,9 @@ and ``GET /v1/models``.  Failures are scripted through ``POST /_fake/script``
 (with ``retry_after``), ``delay_ms``, ``hang``, ``cut_after_chunks``, ``garbage``
 (``"json"``, ``"content_type"`` or ``"huge_line"``, whose size ``line_bytes`` sets),
 ``chunks`` and ``chunk_delay_ms``.  Requests to ``/_fake/*`` are not counted in the stats.
+
+Why one module of ~600 lines: one fake upstream process with its scripting API; tests and
+bench/ start it as ``python -m gateway.testing.fake_provider``.
 """
 
 from __future__ import annotations

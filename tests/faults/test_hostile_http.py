@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from tests.conftest import FakeUpstream, chat_body
 from tests.faults.support import _LEAKS, assert_error_shape, stream_end
 
-#: What the gateway keeps of a client's x-request-id (gateway/edge/middleware.py).
+#: What the gateway keeps of a client's x-request-id (gateway/http/middleware.py).
 SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 # ----------------------------------------------------------------------------- bodies

@@ -29,6 +29,7 @@ from aiohttp.typedefs import Middleware
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.core.errors import Overloaded, ServiceUnavailable
+from gateway.http.errors import error_response
 
 __all__ = [
     "ADMISSION",
@@ -131,10 +132,10 @@ class AdmissionGate:
     def admit(self) -> web.Response | None:
         """None if this request may proceed (the caller must :meth:`enter`), else the refusal."""
         if self.draining:
-            return ShuttingDown(retry_after=1).to_response()
+            return error_response(ShuttingDown(retry_after=1))
         if len(self._tasks) >= self.limit:
             self._note_shed()
-            return Overloaded(f"gateway overloaded: {self.limit} requests in flight", retry_after=1).to_response()
+            return error_response(Overloaded(f"gateway overloaded: {self.limit} requests in flight", retry_after=1))
         return None
 
     def enter(self, task: asyncio.Task[object]) -> None:
@@ -210,7 +211,7 @@ def admission_middleware(gate: AdmissionGate) -> Middleware:
             if not is_shutdown(exc):
                 raise
             task.uncancel()
-            return ShuttingDown(retry_after=1).to_response()
+            return error_response(ShuttingDown(retry_after=1))
         finally:
             gate.leave(task)
 

@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from gateway.core.errors import error_body
+from gateway.http.errors import error_body
 
 __all__ = ["CorsPolicy", "DATA_PLANE_EXPOSED", "MANAGEMENT_REQUEST_HEADERS"]
 

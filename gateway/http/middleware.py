@@ -21,9 +21,9 @@ from gateway.core.errors import (
     GatewayError,
     Overloaded,
     RequestTooLarge,
-    error_body,
 )
-from gateway.edge.state import STATE
+from gateway.http.errors import error_body, error_response
+from gateway.http.state import STATE
 
 __all__ = ["REQUEST_ID", "error_middleware", "request_id_of", "security_headers"]
 
@@ -70,18 +70,18 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except GatewayError as exc:
-        return exc.to_response()
+        return error_response(exc)
     except Unauthenticated as exc:
         # Counted by reason; the client's 401 is the same whatever the reason.
         state = request.app.get(STATE)
         if state is not None:
             state.metrics.auth_failed(exc.reason)
-        return AuthenticationFailed().to_response()
+        return error_response(AuthenticationFailed())
     except ActorError as exc:
         log.warning("shed request %s: %s", request_id_of(request), exc)
-        return Overloaded(retry_after=1).to_response()
+        return error_response(Overloaded(retry_after=1))
     except web.HTTPRequestEntityTooLarge:
-        return RequestTooLarge().to_response()
+        return error_response(RequestTooLarge())
     except web.HTTPException as exc:
         if exc.status < 400:
             raise

@@ -1,0 +1,51 @@
+"""Reading a request: the caller's key and its JSON body, bounded in size and time.
+
+Shared by every route of both planes, so a key is found the same way everywhere and a
+body over the limit, malformed or too slow gets the same contract error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from gateway.core.errors import InvalidRequest, RequestTimeout, RequestTooLarge
+from gateway.http.state import STATE
+
+__all__ = ["bearer_token", "read_json_body"]
+
+
+def bearer_token(request: web.Request) -> str | None:
+    """The key from ``Authorization: Bearer KEY`` or ``x-api-key: KEY``."""
+    auth = request.headers.get("Authorization")
+    if auth is not None:
+        scheme, _, token = auth.partition(" ")
+        return token.strip() if scheme.lower() == "bearer" else None
+    return request.headers.get("x-api-key")
+
+
+async def read_json_body(request: web.Request, limit: int) -> dict[str, Any]:
+    """The request's JSON object; 413 over ``limit`` bytes, 400 if not a JSON object,
+    408 if it does not arrive within ``CLIENT_IDLE_TIMEOUT_SECONDS`` (a slow-body client
+    must not hold a request slot for ever)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise RequestTooLarge(f"request body over {limit} bytes")
+    try:
+        async with asyncio.timeout(request.app[STATE].settings.client_idle_timeout):
+            # Whole body: content.read(n) returns what has arrived so far, not n bytes. aiohttp's
+            # own cap (client_max_size, just above the limit) answers 413 for a chunked giant.
+            raw = await request.read()
+    except TimeoutError:
+        raise RequestTimeout() from None
+    if len(raw) > limit:
+        raise RequestTooLarge(f"request body over {limit} bytes")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    return body
