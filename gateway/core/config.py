@@ -202,7 +202,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     database_url = _env(env, "DATABASE_URL")
     if database_url and not database_url.startswith(("postgres://", "postgresql://")):
         raise ConfigError("DATABASE_URL: expected a postgresql:// URL")
-    redis_url = env.get("REDIS_URL") or None
+    redis_url = _env(env, "REDIS_URL")
     if redis_url and not redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise ConfigError("REDIS_URL: expected a redis:// URL")
     home_raw = env.get("LLM_GATEWAY_HOME")
