@@ -2,6 +2,7 @@
 
     GatewayError                    any error the gateway answers itself
     ├── InvalidRequest              400 invalid_request_error (code varies)
+    │   └── GuardrailBlocked        400 guardrail_blocked (names the policy)
     ├── RequestTooLarge             413 request_too_large
     ├── RequestTimeout              408 request_timeout
     ├── AuthenticationFailed        401 invalid_api_key
@@ -39,6 +40,7 @@ __all__ = [
     "CircuitOpen",
     "Conflict",
     "GatewayError",
+    "GuardrailBlocked",
     "InvalidRequest",
     "ModelNotAllowed",
     "ModelNotFound",
@@ -83,6 +85,19 @@ class InvalidRequest(GatewayError):
     type = "invalid_request_error"
     code = "invalid_request"
     default_message = "invalid request"
+
+
+class GuardrailBlocked(InvalidRequest):
+    """A guardrail policy refused the call; names the policy, never the matched text."""
+
+    code = "guardrail_blocked"
+    default_message = "blocked by a guardrail policy"
+
+    def __init__(self, policy: str, direction: str = "input") -> None:
+        where = "the request" if direction == "input" else "the answer"
+        super().__init__(f"{where} was blocked by guardrail policy {policy!r}")
+        self.policy = policy
+        self.direction = direction
 
 
 class RequestTooLarge(GatewayError):

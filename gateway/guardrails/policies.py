@@ -1,0 +1,148 @@
+"""Guardrail policies: what each one checks, and what it does when it matches.
+
+A policy has a ``type`` (what it looks for), a ``mode`` (``block``: refuse the call with
+400 ``guardrail_blocked`` naming the policy; ``redact``: replace the matched text before it
+goes upstream, or before it reaches the client; ``log``: only count and record) and the
+direction it applies ``on`` (``input``, ``output`` or ``both``).
+
+Types:
+
+* ``pii`` — the built-in detectors of :mod:`gateway.guardrails.detectors` (e-mail, phone,
+  card numbers with Luhn, IBAN with mod-97, IP addresses, API-key and private-key shapes,
+  and the national id formats the policy names);
+* ``terms`` — blocked words or phrases (case-insensitive, whole words) and regular
+  expressions;
+* ``max_input`` — a bound on the prompt's characters or estimated tokens (input only;
+  its mode is always ``block``);
+* ``webhook`` — POST the messages to a URL; its answer allows, blocks or rewrites them;
+  fail-open or fail-closed when it is slow or down;
+* ``moderation`` — a configured model group's ``/moderations`` endpoint; a flagged text
+  is blocked (or logged);
+* ``hook`` — a Python function named ``module:function`` (sync or async) for what none
+  of the above covers.
+
+The first three run in the caller's task in microseconds and can follow a stream chunk
+by chunk (:mod:`gateway.guardrails.streams`); the last three wait for I/O and run on the
+whole prompt (and on whole answers; on a stream, once it has ended, where they can only
+log: the text has already been sent).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.guardrails.detectors import DETECTORS, NATIONAL_ID_DETECTORS, Detector, Match, find_matches
+
+__all__ = [
+    "LOCAL_TYPES",
+    "Decision",
+    "Mode",
+    "Policy",
+    "PolicyType",
+    "TextRule",
+    "compile_rule",
+]
+
+Mode = Literal["block", "redact", "log"]
+Direction = Literal["input", "output", "both"]
+PolicyType = Literal["pii", "terms", "max_input", "webhook", "moderation", "hook"]
+
+#: Policies decided on the text alone, without I/O (and so incrementally on streams).
+LOCAL_TYPES = frozenset({"pii", "terms"})
+
+#: The detectors a ``pii`` policy uses when it names none: all but the national ids,
+#: which only make sense for the countries a deployment serves.
+DEFAULT_PII = tuple(name for name in DETECTORS if name not in NATIONAL_ID_DETECTORS)
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """One configured policy (``guardrails.policies.<name>`` in the config file)."""
+
+    name: str
+    type: PolicyType
+    mode: Mode = "block"
+    on: Direction = "input"
+    #: pii: detector names (default :data:`DEFAULT_PII`) plus national id formats.
+    detectors: tuple[str, ...] = ()
+    #: terms: words or phrases, matched case-insensitively as whole words.
+    terms: tuple[str, ...] = ()
+    #: terms: regular expressions (Python syntax), matched case-insensitively.
+    patterns: tuple[str, ...] = ()
+    #: max_input: bounds on the prompt (characters, and tokens as the gateway estimates them).
+    max_chars: int | None = None
+    max_tokens: int | None = None
+    #: webhook: where to POST, how long to wait, and what a failure means.
+    url: str | None = None
+    timeout_seconds: float = 1.0
+    fail_open: bool = False
+    #: moderation: the model group whose deployment serves ``/moderations``.
+    model: str | None = None
+    #: hook: ``module:function``.
+    hook: str | None = None
+
+    def applies_to_input(self) -> bool:
+        return self.on in ("input", "both")
+
+    def applies_to_output(self) -> bool:
+        return self.on in ("output", "both")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What one policy did to one call: recorded in the ledger, metrics and the span.
+
+    Never the matched text: only which policy, what it did, and which detectors (or
+    categories) fired.
+    """
+
+    policy: str
+    action: Literal["blocked", "redacted", "logged", "allowed", "failed_open"]
+    direction: Literal["input", "output"]
+    kinds: tuple[str, ...] = ()
+
+    def label(self) -> str:
+        """``policy:action`` as the ledger keeps it."""
+        return f"{self.policy}:{self.action}"
+
+
+@dataclass(frozen=True, slots=True)
+class TextRule:
+    """A local policy compiled: the detectors it runs over a text."""
+
+    policy: Policy
+    detectors: tuple[Detector, ...] = field(default_factory=tuple)
+
+    def matches(self, text: str) -> list[Match]:
+        return find_matches(text, self.detectors)
+
+
+def _terms_detector(policy: Policy) -> Detector | None:
+    alternatives = [r"\b" + re.escape(term) + r"\b" for term in policy.terms]
+    alternatives += [f"(?:{p})" for p in policy.patterns]
+    if not alternatives:
+        return None
+    return Detector("term", re.compile("|".join(alternatives), re.IGNORECASE))
+
+
+def compile_rule(policy: Policy) -> TextRule:
+    """The detectors of a ``pii`` or ``terms`` policy; raises ValueError naming a bad one."""
+    if policy.type == "pii":
+        names = policy.detectors or DEFAULT_PII
+        unknown = [n for n in names if n not in DETECTORS]
+        if unknown:
+            raise ValueError(f"unknown detector {unknown[0]!r} (known: {', '.join(DETECTORS)})")
+        return TextRule(policy, tuple(DETECTORS[n] for n in names))
+    if policy.type == "terms":
+        for pattern in policy.patterns:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from None
+        detector = _terms_detector(policy)
+        if detector is None:
+            raise ValueError("a terms policy needs terms or patterns")
+        return TextRule(policy, (detector,))
+    raise ValueError(f"{policy.type} is not a text policy")
