@@ -20,12 +20,13 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any
 
-from pydantic import ConfigDict, Strict, ValidationError, WrapValidator
-from pydantic_core import ErrorDetails, PydanticCustomError
+from pydantic import ConfigDict, GetCoreSchemaHandler, Strict, ValidationError, WrapValidator
+from pydantic_core import ErrorDetails, PydanticCustomError, core_schema
 
 __all__ = [
     "SHAPE",
     "Number",
+    "OneOf",
     "error_path",
     "first_problem",
     "problem",
@@ -39,6 +40,22 @@ SHAPE = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True
 
 #: A number as YAML or JSON writes it: an int or a float, never a bool or a string.
 Number = Annotated[float, Strict()]
+
+class OneOf:
+    """Annotation: the value is one of ``values`` (an ``enum`` in the JSON Schema).
+
+    ``Literal[...]`` says the same where the values are spelled in the annotation; this
+    takes them from a constant defined elsewhere (``Annotated[str, OneOf(KEY_STATES)]``).
+    """
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: Sequence[str]) -> None:
+        self.values = tuple(values)
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        return core_schema.literal_schema(list(self.values))
+
 
 #: The error type of messages the gateway wrote itself; ``ctx["at"]`` extends the path.
 PROBLEM = "gateway"
