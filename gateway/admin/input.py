@@ -12,6 +12,10 @@ it takes (``invalid_json``, ``unknown_field``, ``missing_field``, ``invalid_fiel
 takes is the :class:`Must` beside its type. The bounds are the database columns' own (see
 :class:`gateway.auth.keys.KeyPolicy`), checked here so that no input can reach PostgreSQL
 and come back as a 500.
+
+A little over 500 lines because each of the nine shapes is declared here whole, with its
+bounds and its words; splitting bodies from query strings would part declarations that
+share their field types.
 """
 
 from __future__ import annotations
