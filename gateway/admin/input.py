@@ -1,10 +1,21 @@
-"""What the admin API accepts: JSON bodies and query strings, checked into plain values.
+"""What the admin API accepts: JSON bodies and query strings, declared once as typed models.
+
+Each body (:class:`KeyCreateBody`, :class:`KeyPatchBody`, :class:`RotateBody`,
+:class:`RevokeBody`, :class:`BudgetSetBody`) and each query string (:class:`KeyListQuery`,
+...) is a pydantic class; :mod:`gateway.edge.openapi` publishes their JSON Schema, so the
+document and the checks are the same declaration. The ``parse_*`` functions validate
+with them and turn the result into the values the routes use.
 
 Every refusal is a 400 in the contract's shape whose message names the field and what
 it takes (``invalid_json``, ``unknown_field``, ``missing_field``, ``invalid_field``,
-``invalid_query``), so an operator can fix the call from the answer alone. The bounds
-are the database columns' own (see :class:`gateway.auth.keys.KeyPolicy`), checked here so
-that no input can reach PostgreSQL and come back as a 500.
+``invalid_query``), so an operator can fix the call from the answer alone; what a field
+takes is the :class:`Must` beside its type. The bounds are the database columns' own (see
+:class:`gateway.auth.keys.KeyPolicy`), checked here so that no input can reach PostgreSQL
+and come back as a 500.
+
+A little over 500 lines because each of the nine shapes is declared here whole, with its
+bounds and its words; splitting bodies from query strings would part declarations that
+share their field types.
 """
 
 from __future__ import annotations
@@ -14,9 +25,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
-from typing import Any
+from typing import Annotated, Any, TypeVar, get_args
 
 from aiohttp import web
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+)
+from pydantic.dataclasses import dataclass as model_dataclass
 
 from gateway.admin.audit import ACTIONS
 from gateway.auth.keys import (
@@ -29,16 +53,25 @@ from gateway.auth.keys import (
     Unchanged,
 )
 from gateway.core.errors import InvalidRequest
+from gateway.core.schema import SHAPE, Number, OneOf
 from gateway.http.bodies import read_json_body
 
 __all__ = [
     "ADMIN_BODY_LIMIT",
+    "BODIES",
+    "QUERIES",
     "AuditQuery",
     "BudgetListQuery",
     "BudgetSet",
+    "BudgetSetBody",
     "KeyCreate",
+    "KeyCreateBody",
     "KeyListQuery",
     "KeyPatch",
+    "KeyPatchBody",
+    "Must",
+    "RevokeBody",
+    "RotateBody",
     "Rotation",
     "UsageQuery",
     "parse_audit_query",
@@ -59,27 +92,192 @@ ADMIN_BODY_LIMIT = 64 * 1024
 DEFAULT_PAGE = 100
 MAX_PAGE = 500
 MAX_MODELS = 1000
+MAX_MODEL_NAME_LEN = 256
 MAX_REASON_LEN = 500
 #: A rotation's grace period: long enough to roll out a new key, short enough to matter.
 MAX_GRACE = timedelta(days=30)
 MAX_EXPIRES_IN_DAYS = 36_500
 GROUP_BYS = ("key", "model", "day")
-
-_POLICY_INTS = ("rate_limit_requests", "rate_limit_window_seconds", "tokens_per_minute", "max_concurrent")
-_NULLABLE_INTS = ("tokens_per_minute", "max_concurrent")
-_POLICY_FIELDS = (*_POLICY_INTS, "budget_usd", "budget_period", "allowed_models")
-_CREATE_FIELDS = ("name", "subject_id", *_POLICY_FIELDS, "expires_at", "expires_in_days")
-_PATCH_FIELDS = ("name", *_POLICY_FIELDS, "expires_at", "expires_in_days")
-_BUDGET_FIELDS = ("budget_usd", "budget_period")
 #: A subject budget's period when none is sent (as ``llm-gateway budgets set``).
 DEFAULT_BUDGET_PERIOD = "month"
+
+
+class Must:
+    """Annotation: what a field takes, as its refusal says (``'limit' must be {what}``)."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+
+# -- field types --------------------------------------------------------------------
+def _integral(value: Any) -> Any:
+    """JSON Schema counts 5.0 as an integer, and so do we."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("NUL")  # PostgreSQL text cannot hold it
+    return value
+
+
+def _aware_datetime(value: Any) -> Any:
+    """An ISO 8601 string with a zone; numbers (epoch seconds) are refused, unlike pydantic's default."""
+    if isinstance(value, str) and "\x00" not in value:
+        parsed = datetime.fromisoformat(value)
+        if parsed.tzinfo is not None:
+            return parsed
+    raise ValueError("not an aware ISO 8601 date-time")
+
+
+MAX_GRACE_SECONDS = int(MAX_GRACE.total_seconds())
+# Before-validators go last: placed first they would hide the bounds from the JSON Schema.
+PolicyInt = Annotated[int, Strict(), Field(ge=1, le=MAX_INT), BeforeValidator(_integral)]
+DaysInt = Annotated[int, Strict(), Field(ge=1, le=MAX_EXPIRES_IN_DAYS), BeforeValidator(_integral)]
+GraceInt = Annotated[int, Strict(), Field(ge=0, le=MAX_GRACE_SECONDS), BeforeValidator(_integral)]
+Money = Annotated[Number, Field(ge=0, le=float(MAX_BUDGET_USD))]
+# Non-blank: at least one character that is not white space.
+Text = Annotated[str, Strict(), StringConstraints(min_length=1, max_length=MAX_NAME_LEN, pattern=r"\S"),
+                 AfterValidator(_no_nul)]
+Reason = Annotated[str, Strict(), StringConstraints(min_length=1, max_length=MAX_REASON_LEN, pattern=r"\S"),
+                   AfterValidator(_no_nul)]
+ModelName = Annotated[str, Strict(), StringConstraints(min_length=1, max_length=MAX_MODEL_NAME_LEN, pattern=r"\S"),
+                      AfterValidator(_no_nul)]
+AwareDateTime = Annotated[datetime, BeforeValidator(_aware_datetime)]
+BudgetPeriod = Annotated[str, OneOf(BUDGET_PERIODS)]
+
+#: The default of a field that may be left out but never sent as null (its type refuses
+#: null); ``model_fields_set`` tells whether it was sent.
+ABSENT: Any = None
+
+_INT_TEXT = f"a whole number from 1 to {MAX_INT}"
+_BODY = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+# -- bodies -------------------------------------------------------------------------
+class _PolicyBody(BaseModel):
+    """The limit, budget and expiry fields keys are created and changed with."""
+
+    model_config = _BODY
+
+    rate_limit_requests: Annotated[PolicyInt, Must(_INT_TEXT)] = Field(default=ABSENT, description="requests per window")
+    rate_limit_window_seconds: Annotated[PolicyInt, Must(_INT_TEXT)] = Field(
+        default=ABSENT, description="length of the request window"
+    )
+    tokens_per_minute: Annotated[PolicyInt | None, Must(f"{_INT_TEXT} or null")] = None
+    max_concurrent: Annotated[PolicyInt | None, Must(f"{_INT_TEXT} or null")] = None
+    budget_usd: Annotated[Money | None, Must(f"a number from 0 to {MAX_BUDGET_USD} or null")] = None
+    budget_period: Annotated[BudgetPeriod | None, Must(f"one of {', '.join(BUDGET_PERIODS)} or null")] = None
+    allowed_models: Annotated[
+        Annotated[list[ModelName], Field(max_length=MAX_MODELS)] | None,
+        Must(f"a list of at most {MAX_MODELS} model names (wildcards ok) or null"),
+    ] = Field(default=None, description="model names this key may use; '*' wildcards allowed; null: any")
+    expires_at: Annotated[
+        AwareDateTime | None, Must("an ISO 8601 date-time with a time zone (e.g. 2030-01-31T00:00:00Z)")
+    ] = Field(default=None, description="with a time zone")
+    expires_in_days: Annotated[
+        DaysInt | None, Must(f"a whole number from 1 to {MAX_EXPIRES_IN_DAYS} or null")
+    ] = None
+
+
+_NAME_TEXT = f"a non-blank string of at most {MAX_NAME_LEN} characters"
+
+
+class KeyCreateBody(_PolicyBody):
+    """``POST /admin/keys``."""
+
+    name: Annotated[Text, Must(_NAME_TEXT)]
+    subject_id: Annotated[uuid.UUID | None, Must("a UUID")] = None
+
+
+class KeyPatchBody(_PolicyBody):
+    """``PATCH /admin/keys/{id}``: only the fields sent change."""
+
+    model_config = ConfigDict(**_BODY, json_schema_extra={"minProperties": 1})
+
+    name: Annotated[Text, Must(_NAME_TEXT)] = Field(default=ABSENT)
+
+
+class RotateBody(BaseModel):
+    """``POST /admin/keys/{id}/rotate`` (the body is optional)."""
+
+    model_config = _BODY
+
+    grace_seconds: Annotated[
+        GraceInt | None, Must(f"a whole number from 0 to {MAX_GRACE_SECONDS}"),
+    ] = Field(default=None, description="the old key keeps working this long; 0 or absent: revoked at once")
+    reason: Annotated[Reason | None, Must(f"a non-blank string of at most {MAX_REASON_LEN} characters")] = None
+
+
+class RevokeBody(BaseModel):
+    """``POST /admin/keys/{id}/revoke`` (the body is optional)."""
+
+    model_config = _BODY
+
+    reason: Annotated[Reason | None, Must(f"a non-blank string of at most {MAX_REASON_LEN} characters")] = None
+
+
+class BudgetSetBody(BaseModel):
+    """``PUT /admin/budgets/{subject_id}``: the whole budget (clearing is ``DELETE``)."""
+
+    model_config = _BODY
+
+    budget_usd: Annotated[Money, Must(f"a number from 0 to {MAX_BUDGET_USD}")] = Field(
+        description="USD per period for all the subject's keys together; 0 refuses every call"
+    )
+    budget_period: Annotated[BudgetPeriod, Must(f"one of {', '.join(BUDGET_PERIODS)}")] = Field(
+        default=DEFAULT_BUDGET_PERIOD, description="day and month are UTC calendar periods; total is all time"
+    )
+
+
+#: Every admin body by its OpenAPI component name.
+BODIES: dict[str, type[BaseModel]] = {
+    "KeyCreate": KeyCreateBody, "KeyPatch": KeyPatchBody, "Rotate": RotateBody, "Revoke": RevokeBody,
+    "BudgetSet": BudgetSetBody,
+}
+
+
+def _must(model: Any, name: str) -> str:
+    """The :class:`Must` of a field, on the field itself or inside its ``X | None``."""
+    info = model.__pydantic_fields__.get(name)
+    if info is None:
+        return "valid"
+    pending: list[Any] = [*info.metadata, info.annotation]
+    while pending:
+        item = pending.pop(0)
+        if isinstance(item, Must):
+            return item.what
+        pending.extend(getattr(item, "__metadata__", ()))
+        pending.extend(get_args(item))
+    return "valid"
+
+
+_Body = TypeVar("_Body", bound=BaseModel)
+
+
+def _validate_body(model: type[_Body], body: Mapping[str, Any]) -> _Body:
+    """``body`` as ``model``, or the 400 naming the first field to fix."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+    unknown = sorted(str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden")
+    if unknown:
+        allowed = ", ".join(model.model_fields)
+        raise InvalidRequest(f"unknown field '{unknown[0]}' (allowed: {allowed})", code="unknown_field") from None
+    missing = [e for e in errors if e["type"] == "missing"]
+    if missing:
+        raise InvalidRequest(f"'{missing[0]['loc'][0]}' is required", code="missing_field") from None
+    name = str(errors[0]["loc"][0])
+    raise _field_error(name, _must(model, name)) from None
 
 
 def _field_error(name: str, what: str) -> InvalidRequest:
     return InvalidRequest(f"'{name}' must be {what}", code="invalid_field")
 
 
-# -- bodies -------------------------------------------------------------------------
 async def read_admin_body(request: web.Request, limit: int, *, optional: bool = False) -> dict[str, Any]:
     """The JSON object sent (400/413 otherwise); with ``optional``, no body means ``{}``.
 
@@ -90,94 +288,36 @@ async def read_admin_body(request: web.Request, limit: int, *, optional: bool = 
     return await read_json_body(request, limit)
 
 
-def _check_fields(body: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
-    unknown = sorted(set(body) - set(allowed))
-    if unknown:
-        raise InvalidRequest(
-            f"unknown field '{unknown[0]}' (allowed: {', '.join(allowed)})", code="unknown_field"
-        )
+_POLICY_FIELDS = (
+    "rate_limit_requests", "rate_limit_window_seconds", "tokens_per_minute", "max_concurrent",
+    "budget_usd", "budget_period", "allowed_models",
+)
 
 
-def _int(body: Mapping[str, Any], name: str, *, nullable: bool, low: int = 1, high: int = MAX_INT) -> int | None:
-    value = body[name]
-    if value is None and nullable:
-        return None
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # JSON Schema counts 5.0 as an integer, and so do we
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        null = " or null" if nullable else ""
-        raise _field_error(name, f"a whole number from {low} to {high}{null}")
-    return value
-
-
-def _text(body: Mapping[str, Any], name: str, *, max_len: int) -> str:
-    value = body[name]
-    if not isinstance(value, str) or not value.strip() or len(value) > max_len or "\x00" in value:
-        raise _field_error(name, f"a non-blank string of at most {max_len} characters")
-    return value
-
-
-def _uuid(value: Any, name: str) -> uuid.UUID:
-    if isinstance(value, str):
-        try:
-            return uuid.UUID(value)
-        except ValueError:
-            pass
-    raise _field_error(name, "a UUID")
-
-
-def _datetime(value: Any, name: str) -> datetime:
-    if isinstance(value, str) and "\x00" not in value:
-        try:
-            parsed = datetime.fromisoformat(value)
-        except ValueError:
-            pass
-        else:
-            if parsed.tzinfo is not None:
-                return parsed
-    raise _field_error(name, "an ISO 8601 date-time with a time zone (e.g. 2030-01-31T00:00:00Z)")
-
-
-def _policy(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The policy fields present in ``body``, checked; absent fields are not in the result."""
+def _policy(body: _PolicyBody) -> dict[str, Any]:
+    """The policy fields sent, as the key store takes them; absent fields are not in the result."""
     out: dict[str, Any] = {}
-    for name in _POLICY_INTS:
-        if name in body:
-            out[name] = _int(body, name, nullable=name in _NULLABLE_INTS)
-    if "budget_usd" in body:
-        value = body["budget_usd"]
-        if value is None:
-            out["budget_usd"] = None
-        elif isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_USD:
-            raise _field_error("budget_usd", f"a number from 0 to {MAX_BUDGET_USD} or null")
-        else:
-            out["budget_usd"] = Decimal(str(value))
-    if "budget_period" in body:
-        value = body["budget_period"]
-        if value is not None and value not in BUDGET_PERIODS:
-            raise _field_error("budget_period", f"one of {', '.join(BUDGET_PERIODS)} or null")
-        out["budget_period"] = value
-    if "allowed_models" in body:
-        value = body["allowed_models"]
-        if value is not None and (
-            not isinstance(value, list)
-            or len(value) > MAX_MODELS
-            or not all(isinstance(m, str) and m.strip() and "\x00" not in m and len(m) <= 256 for m in value)
-        ):
-            raise _field_error("allowed_models", f"a list of at most {MAX_MODELS} model names (wildcards ok) or null")
-        out["allowed_models"] = tuple(value) if value is not None else None
+    for name in _POLICY_FIELDS:
+        if name not in body.model_fields_set:
+            continue
+        value = getattr(body, name)
+        if name == "budget_usd" and value is not None:
+            value = Decimal(str(value))
+        elif name == "allowed_models" and value is not None:
+            value = tuple(value)
+        out[name] = value
     return out
 
 
-def _expiry(body: Mapping[str, Any], *, now: datetime) -> datetime | Unchanged | None:
+def _expiry(body: _PolicyBody, *, now: datetime) -> datetime | Unchanged | None:
     """``expires_at`` or ``expires_in_days`` (not both); UNCHANGED when neither is sent."""
-    if "expires_at" in body and "expires_in_days" in body:
+    sent = body.model_fields_set
+    if "expires_at" in sent and "expires_in_days" in sent:
         raise InvalidRequest("send 'expires_at' or 'expires_in_days', not both", code="invalid_field")
-    if "expires_in_days" in body:
-        days = _int(body, "expires_in_days", nullable=True, high=MAX_EXPIRES_IN_DAYS)
-        return None if days is None else now + timedelta(days=days)
-    if "expires_at" in body:
-        return None if body["expires_at"] is None else _datetime(body["expires_at"], "expires_at")
+    if "expires_in_days" in sent:
+        return None if body.expires_in_days is None else now + timedelta(days=body.expires_in_days)
+    if "expires_at" in sent:
+        return body.expires_at
     return UNCHANGED
 
 
@@ -192,19 +332,17 @@ class KeyCreate:
 
 
 def parse_key_create(body: Mapping[str, Any]) -> KeyCreate:
-    _check_fields(body, _CREATE_FIELDS)
-    if "name" not in body:
-        raise InvalidRequest("'name' is required", code="missing_field")
+    checked = _validate_body(KeyCreateBody, body)
     now = datetime.now(timezone.utc)
-    expires_at = _expiry(body, now=now)
+    expires_at = _expiry(checked, now=now)
     if isinstance(expires_at, datetime) and expires_at <= now:
         raise _field_error("expires_at", "in the future")
-    policy = _policy(body)
+    policy = _policy(checked)
     if policy.get("budget_usd") is not None and policy.get("budget_period") is None:
         policy["budget_period"] = "month"  # as the CLI does
     return KeyCreate(
-        name=_text(body, "name", max_len=MAX_NAME_LEN),
-        subject_id=_uuid(body["subject_id"], "subject_id") if body.get("subject_id") is not None else None,
+        name=checked.name,
+        subject_id=checked.subject_id,
         policy=policy,
         expires_at=expires_at if isinstance(expires_at, datetime) else None,
     )
@@ -225,17 +363,15 @@ class KeyPatch:
 
 
 def parse_key_patch(body: Mapping[str, Any]) -> KeyPatch:
-    _check_fields(body, _PATCH_FIELDS)
-    for name in ("rate_limit_requests", "rate_limit_window_seconds"):
-        if body.get(name, 0) is None:
-            raise _field_error(name, f"a whole number from 1 to {MAX_INT}")
+    checked = _validate_body(KeyPatchBody, body)
     patch = KeyPatch(
-        name=_text(body, "name", max_len=MAX_NAME_LEN) if "name" in body else None,
-        policy=_policy(body),
-        expires_at=_expiry(body, now=datetime.now(timezone.utc)),
+        name=checked.name if "name" in checked.model_fields_set else None,
+        policy=_policy(checked),
+        expires_at=_expiry(checked, now=datetime.now(timezone.utc)),
     )
     if patch.empty:
-        raise InvalidRequest(f"nothing to change: send at least one of {', '.join(_PATCH_FIELDS)}", code="missing_field")
+        fields = ", ".join(KeyPatchBody.model_fields)
+        raise InvalidRequest(f"nothing to change: send at least one of {fields}", code="missing_field")
     return patch
 
 
@@ -247,25 +383,16 @@ class Rotation:
     reason: str | None = None
 
 
-def _reason(body: Mapping[str, Any]) -> str | None:
-    if body.get("reason") is None:
-        return None
-    return _text(body, "reason", max_len=MAX_REASON_LEN)
-
-
 def parse_rotation(body: Mapping[str, Any]) -> Rotation:
-    _check_fields(body, ("grace_seconds", "reason"))
-    grace = None
-    if body.get("grace_seconds") is not None:
-        seconds = _int(body, "grace_seconds", nullable=False, low=0, high=int(MAX_GRACE.total_seconds()))
-        grace = timedelta(seconds=seconds) if seconds else None  # 0: revoke at once
-    return Rotation(grace=grace, reason=_reason(body))
+    checked = _validate_body(RotateBody, body)
+    seconds = checked.grace_seconds
+    # 0 or absent: the old key is revoked at once.
+    return Rotation(grace=timedelta(seconds=seconds) if seconds else None, reason=checked.reason)
 
 
 def parse_revoke(body: Mapping[str, Any]) -> str | None:
     """The optional ``reason`` of a revocation."""
-    _check_fields(body, ("reason",))
-    return _reason(body)
+    return _validate_body(RevokeBody, body).reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,128 +408,119 @@ def parse_budget_set(body: Mapping[str, Any]) -> BudgetSet:
 
     A PUT replaces the budget, so neither may be null: clearing is ``DELETE``.
     """
-    _check_fields(body, _BUDGET_FIELDS)
-    if "budget_usd" not in body:
-        raise InvalidRequest("'budget_usd' is required", code="missing_field")
-    value = body["budget_usd"]
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_BUDGET_USD:
-        raise _field_error("budget_usd", f"a number from 0 to {MAX_BUDGET_USD}")
-    period = body.get("budget_period", DEFAULT_BUDGET_PERIOD)
-    if period not in BUDGET_PERIODS:
-        raise _field_error("budget_period", f"one of {', '.join(BUDGET_PERIODS)}")
-    return BudgetSet(budget_usd=Decimal(str(value)), budget_period=period)
+    checked = _validate_body(BudgetSetBody, body)
+    return BudgetSet(budget_usd=Decimal(str(checked.budget_usd)), budget_period=checked.budget_period)
 
 
 # -- query strings ------------------------------------------------------------------
-def _query_error(name: str, what: str) -> InvalidRequest:
-    return InvalidRequest(f"query parameter '{name}' must be {what}", code="invalid_query")
-
-
-def _query_uuid(query: Mapping[str, str], name: str) -> uuid.UUID | None:
-    raw = query.get(name)
-    if raw is None:
-        return None
-    try:
-        return uuid.UUID(raw)
-    except ValueError:
-        raise _query_error(name, "a UUID") from None
-
-
-def _query_int(query: Mapping[str, str], name: str, default: int | None, low: int, high: int) -> int | None:
-    raw = query.get(name)
-    if raw is None:
-        return default
-    if not raw.isascii() or not raw.isdigit() or not low <= int(raw) <= high:
-        raise _query_error(name, f"a whole number from {low} to {high}")
-    return int(raw)
-
-
-def _query_choice(query: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str | None:
-    raw = query.get(name)
-    if raw is not None and raw not in choices:
-        raise _query_error(name, f"one of {', '.join(choices)}")
-    return raw
-
-
-def _query_time(query: Mapping[str, str], name: str) -> datetime | None:
-    raw = query.get(name)
-    if raw is None:
-        return None
-    try:
-        parsed = datetime.fromisoformat(raw)
-    except ValueError:
-        raise _query_error(name, "an ISO 8601 date or date-time") from None
-    # A bare date or a date-time without a zone is taken as UTC.
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
-
-
-def _limit(query: Mapping[str, str]) -> int:
-    value = _query_int(query, "limit", DEFAULT_PAGE, 1, MAX_PAGE)
-    assert value is not None
+def _digits(value: Any) -> Any:
+    """A query string's whole number: ASCII digits only (no sign, space or exponent)."""
+    if isinstance(value, str):
+        if not value.isascii() or not value.isdigit():
+            raise ValueError("not digits")
+        return int(value)
     return value
 
 
-@dataclass(frozen=True, slots=True)
+def _query_time(value: Any) -> Any:
+    """A bare date or a date-time; without a zone it is taken as UTC."""
+    if isinstance(value, str):
+        parsed = datetime.fromisoformat(value)
+        return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
+    return value
+
+
+PageSize = Annotated[
+    int, Field(ge=1, le=MAX_PAGE), BeforeValidator(_digits), Must(f"a whole number from 1 to {MAX_PAGE}"),
+    Field(description=f"page size (default {DEFAULT_PAGE})"),
+]
+AuditId = Annotated[int, Field(ge=1, le=2**63 - 1), BeforeValidator(_digits), Must(f"a whole number from 1 to {2**63 - 1}")]
+QueryUUID = Annotated[uuid.UUID, Must("a UUID")]
+QueryTime = Annotated[
+    datetime, BeforeValidator(_query_time), Must("an ISO 8601 date or date-time"),
+    # A date is accepted too, so the document says "string", not "date-time".
+    WithJsonSchema({"type": "string"}),
+]
+_AFTER = "last_id of the previous page"
+
+
+KeyState = Annotated[str, OneOf(KEY_STATES), Must(f"one of {', '.join(KEY_STATES)}")]
+Action = Annotated[str, OneOf(ACTIONS), Must(f"one of {', '.join(ACTIONS)}")]
+GroupBy = Annotated[str, OneOf(GROUP_BYS), Must(f"one of {', '.join(GROUP_BYS)}")]
+
+
+@model_dataclass(frozen=True, config=SHAPE)
 class KeyListQuery:
-    subject_id: uuid.UUID | None = None
-    state: str | None = None
-    limit: int = DEFAULT_PAGE
-    after: uuid.UUID | None = None
+    """``GET /admin/keys``."""
+
+    subject_id: QueryUUID | None = Field(default=None, description="only this subject's keys")
+    state: KeyState | None = Field(default=None, description="only keys in this state")
+    limit: PageSize = DEFAULT_PAGE
+    after: QueryUUID | None = Field(default=None, description=_AFTER)
 
 
-def parse_key_list_query(query: Mapping[str, str]) -> KeyListQuery:
-    return KeyListQuery(
-        subject_id=_query_uuid(query, "subject_id"),
-        state=_query_choice(query, "state", KEY_STATES),
-        limit=_limit(query),
-        after=_query_uuid(query, "after"),
-    )
-
-
-@dataclass(frozen=True, slots=True)
+@model_dataclass(frozen=True, config=SHAPE)
 class BudgetListQuery:
-    limit: int = DEFAULT_PAGE
-    after: uuid.UUID | None = None
+    """``GET /admin/budgets``."""
+
+    limit: PageSize = DEFAULT_PAGE
+    after: QueryUUID | None = Field(default=None, description=_AFTER)
 
 
-def parse_budget_list_query(query: Mapping[str, str]) -> BudgetListQuery:
-    return BudgetListQuery(limit=_limit(query), after=_query_uuid(query, "after"))
-
-
-@dataclass(frozen=True, slots=True)
+@model_dataclass(frozen=True, config=SHAPE)
 class AuditQuery:
-    limit: int = DEFAULT_PAGE
-    after: int | None = None
-    api_key_id: uuid.UUID | None = None
-    action: str | None = None
+    """``GET /admin/audit``."""
+
+    limit: PageSize = DEFAULT_PAGE
+    after: AuditId | None = Field(default=None, description=_AFTER)
+    api_key_id: QueryUUID | None = Field(default=None, description="only changes to this key")
+    action: Action | None = Field(default=None, description="only this action")
 
 
-def parse_audit_query(query: Mapping[str, str]) -> AuditQuery:
-    return AuditQuery(
-        limit=_limit(query),
-        after=_query_int(query, "after", None, 1, 2**63 - 1),
-        api_key_id=_query_uuid(query, "api_key_id"),
-        action=_query_choice(query, "action", ACTIONS),
-    )
-
-
-@dataclass(frozen=True, slots=True)
+@model_dataclass(frozen=True, config=SHAPE)
 class UsageQuery:
     """``GET /admin/usage``: grouping, a half-open time range [since, until), one key."""
 
-    group_by: str = "key"
-    since: datetime | None = None
-    until: datetime | None = None
-    api_key_id: uuid.UUID | None = None
+    group_by: GroupBy = Field(default="key", description="default key")
+    since: QueryTime | None = Field(default=None, description="ISO 8601 date or date-time (UTC if no zone), inclusive")
+    until: QueryTime | None = Field(default=None, description="ISO 8601 date or date-time (UTC if no zone), exclusive")
+    api_key_id: QueryUUID | None = Field(default=None, description="only this key")
+
+
+#: Every admin query string by the route kind ``gateway.admin.routes`` names it with.
+QUERIES: dict[str, Any] = {
+    "keys": KeyListQuery, "budgets": BudgetListQuery, "audit": AuditQuery, "usage": UsageQuery,
+}
+
+_Query = TypeVar("_Query")
+
+
+def _validate_query(model: type[_Query], query: Mapping[str, str]) -> _Query:
+    """The query string as ``model``, or the 400 naming the parameter to fix.
+
+    Unknown parameters were refused by the route already (``gateway.admin.routes``).
+    """
+    try:
+        return TypeAdapter(model).validate_python(dict(query))
+    except ValidationError as exc:
+        name = str(exc.errors(include_url=False)[0]["loc"][0])
+    raise InvalidRequest(f"query parameter '{name}' must be {_must(model, name)}", code="invalid_query") from None
+
+
+def parse_key_list_query(query: Mapping[str, str]) -> KeyListQuery:
+    return _validate_query(KeyListQuery, query)
+
+
+def parse_budget_list_query(query: Mapping[str, str]) -> BudgetListQuery:
+    return _validate_query(BudgetListQuery, query)
+
+
+def parse_audit_query(query: Mapping[str, str]) -> AuditQuery:
+    return _validate_query(AuditQuery, query)
 
 
 def parse_usage_query(query: Mapping[str, str]) -> UsageQuery:
-    since, until = _query_time(query, "since"), _query_time(query, "until")
-    if since is not None and until is not None and until <= since:
-        raise _query_error("until", "later than 'since'")
-    return UsageQuery(
-        group_by=_query_choice(query, "group_by", GROUP_BYS) or "key",
-        since=since,
-        until=until,
-        api_key_id=_query_uuid(query, "api_key_id"),
-    )
+    q = _validate_query(UsageQuery, query)
+    if q.since is not None and q.until is not None and q.until <= q.since:
+        raise InvalidRequest("query parameter 'until' must be later than 'since'", code="invalid_query")
+    return q

@@ -35,6 +35,7 @@ from gateway.admin import views as admin_views
 from gateway.admin.audit import AuditLog
 from gateway.admin.input import (
     ADMIN_BODY_LIMIT,
+    QUERIES,
     parse_audit_query,
     parse_budget_list_query,
     parse_budget_set,
@@ -76,12 +77,9 @@ _AUDITED_FIELDS = (
     "name", "rate_limit_requests", "rate_limit_window_seconds", "tokens_per_minute", "max_concurrent",
     "budget_usd", "budget_period", "allowed_models", "expires_at", "revoked_at",
 )
-#: Query parameters each listing accepts; anything else is a typo worth a 400.
-_QUERY_PARAMS = {
-    "keys": ("subject_id", "state", "limit", "after"),
-    "audit": ("limit", "after", "api_key_id", "action"),
-    "budgets": ("limit", "after"),
-    "usage": ("group_by", "since", "until", "api_key_id"),
+#: Query parameters each listing accepts (its model's fields); anything else is a typo worth a 400.
+_QUERY_PARAMS: dict[str, tuple[str, ...]] = {
+    **{kind: tuple(model.__pydantic_fields__) for kind, model in QUERIES.items()},
     "none": (),
 }
 

