@@ -43,6 +43,10 @@ by tests/test_breaker.py):
   (pybreaker times it by wall clock, which can jump), the 429 cool-down, the latency
   and error averages, and the idle purge. pybreaker's Redis storage is not used: it is
   blocking, and breakers are per process by design.
+
+Over 500 lines while the published entry (:class:`Health`, its states and admission)
+lives here; they are one concern with the actor that writes them and the handle that
+reads them.
 """
 
 from __future__ import annotations
