@@ -8,13 +8,15 @@ State it owns, per deployment id (``provider/model`` as configured, a bounded se
 * a cool-down: a 429 asks the gateway to leave the deployment alone for its
   ``Retry-After``, without counting as a failure;
 * recent latency (EWMA of whole calls), recent time to first token (EWMA of streams)
-  and an error rate (EWMA of failures), which the least-latency strategy and
+  and an error rate (EWMA of failed attempts), which the least-latency strategy and
   ``/admin/providers`` read.
 
 What counts: a connection error, a timeout, a 5xx (and 408) is a failure; a 429 cools;
 any other answer is a success (the deployment is up, even if it refused the request);
-a call cancelled because its client went away is neutral. An unused probe (its caller
-went away, or never sent it) is returned, so the next caller may probe.
+a call cancelled because its client went away is neutral. A call counts once toward
+``fail_max`` however often it was retried on the deployment: an attempt reported with
+``will_retry`` feeds the error rate only, and the call's last attempt decides. An unused
+probe (its caller went away, or never sent it) is returned, so the next caller may probe.
 
 The hot path costs no hop: the actor publishes its table as a read-only mapping of
 frozen :class:`Health` entries, so a handler sees a closed circuit without asking
@@ -23,10 +25,28 @@ ask; outcomes are tells (never awaited). Entries of closed deployments idle for
 ``idle_purge`` seconds are forgotten every sweep, so a deployment not used for a while
 is measured afresh.
 
-Why not pybreaker: measured (see notes/libraries.md), its half-open state lets every
-concurrent caller through instead of one probe, and it counts a cancelled call as a
-failure. Both rules are the point of this breaker, and its state machine is ~40 lines
-here, so the actor owns a small one rather than wrapping pybreaker and overriding both.
+The state machine is pybreaker's: each deployment has a ``pybreaker.CircuitBreaker``
+(``fail_max``, success resets the count, a failed trial re-opens, a good one closes),
+and each counted outcome is replayed into it with ``with breaker.calling():`` (a
+failure raises inside the block; a 429 raises an excluded exception, which pybreaker
+treats as the success it is for the circuit). Its listener publishes every state
+change. The actor adds what pybreaker lacks (measured in notes/libraries.md and pinned
+by tests/test_breaker.py):
+
+* exactly one half-open probe: pybreaker lets every caller through while half-open, so
+  only the report carrying the probe's token reaches a half-open breaker; the actor
+  grants the probe itself, with a lease, and moves the breaker to half-open then;
+* neutral cancellations: pybreaker counts a cancelled call as a failure, and one in
+  ``exclude`` as a success (which would reset the count or close a half-open circuit),
+  so a neutral outcome is never replayed;
+* the reset timeout on the monotonic clock that the published snapshot is read with
+  (pybreaker times it by wall clock, which can jump), the 429 cool-down, the latency
+  and error averages, and the idle purge. pybreaker's Redis storage is not used: it is
+  blocking, and breakers are per process by design.
+
+Over 500 lines while the published entry (:class:`Health`, its states and admission)
+lives here; they are one concern with the actor that writes them and the handle that
+reads them.
 """
 
 from __future__ import annotations
@@ -40,6 +60,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any
+
+import pybreaker
 
 from actors.runtime import Actor, ActorError, ActorRef
 from gateway.core.config import BreakerSettings, GatewayConfig
@@ -166,6 +188,9 @@ class Report:
     ttft: float | None = None
     #: RATE_LIMITED: the provider's Retry-After, seconds.
     retry_after: float | None = None
+    #: FAILURE that the caller retries on the same deployment: it feeds the error rate,
+    #: but only the call's last attempt counts toward ``fail_max`` (one call, one count).
+    will_retry: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +209,65 @@ class _Sweep:
     """Internal: forget idle entries."""
 
 
+# -- pybreaker behind the actor ------------------------------------------------------------
+class _AttemptFailed(Exception):
+    """A failed attempt, raised inside ``calling()`` so pybreaker counts it."""
+
+
+class _RateLimited(Exception):
+    """A 429, raised inside ``calling()``: excluded, so pybreaker takes it as a success
+    (the deployment answered) while the actor cools the deployment."""
+
+
+@dataclass(slots=True)
+class _Circuit:
+    """One deployment's pybreaker breaker and the open deadline its listener set."""
+
+    breaker: pybreaker.CircuitBreaker
+    #: Monotonic time from which a probe may go (set when pybreaker opens the circuit).
+    open_until: float = 0.0
+
+
+_STATES = {
+    pybreaker.STATE_CLOSED: CircuitState.CLOSED,
+    pybreaker.STATE_HALF_OPEN: CircuitState.HALF_OPEN,
+    pybreaker.STATE_OPEN: CircuitState.OPEN,
+}
+
+
+class _Transitions(pybreaker.CircuitBreakerListener):
+    """Hears every breaker's state changes: sets the open deadline and logs the change.
+
+    The actor publishes the deadline and the state with the entry it rebuilds after each
+    message, so ``gateway_circuit_state`` and ``/admin/providers`` follow this listener.
+    """
+
+    def __init__(self, circuits: Mapping[str, _Circuit], reset_timeout: float) -> None:
+        self._circuits = circuits
+        self._reset_timeout = reset_timeout
+
+    def state_change(
+        self,
+        cb: pybreaker.CircuitBreaker,
+        old_state: pybreaker.CircuitBreakerState | None,
+        new_state: pybreaker.CircuitBreakerState,
+    ) -> None:
+        name = cb.name or ""
+        circuit = self._circuits.get(name)
+        old = old_state.name if old_state is not None else None
+        if new_state.name == pybreaker.STATE_OPEN:
+            if circuit is not None:
+                circuit.open_until = time.monotonic() + self._reset_timeout
+            if old == pybreaker.STATE_HALF_OPEN:
+                log.warning("circuit %s re-opened: the probe failed", name)
+            else:
+                log.warning("circuit %s opened after %d failures", name, cb.fail_counter)
+        elif new_state.name == pybreaker.STATE_HALF_OPEN:
+            log.info("circuit %s half-open: probe granted", name)
+        elif old == pybreaker.STATE_HALF_OPEN:
+            log.info("circuit %s closed: the probe succeeded", name)
+
+
 # -- the actor -----------------------------------------------------------------------------
 class BreakerActor(Actor[Permit | Report]):
     """Owns every deployment's circuit and health; publishes them as ``view``."""
@@ -200,6 +284,9 @@ class BreakerActor(Actor[Permit | Report]):
         self._table: dict[str, Health] = {}
         #: Read-only view handlers read without a hop; entries are frozen, replaced whole.
         self.view: Mapping[str, Health] = MappingProxyType(self._table)
+        #: The state machines behind the entries; only this actor's task touches them.
+        self._circuits: dict[str, _Circuit] = {}
+        self._transitions = _Transitions(self._circuits, settings.reset_timeout)
         self._sweep_seconds = sweep_seconds
         self._sweeper: asyncio.Task[None] | None = None
 
@@ -223,6 +310,21 @@ class BreakerActor(Actor[Permit | Report]):
             self.purge_idle(time.monotonic())
 
     # -- transitions -------------------------------------------------------------------
+    def _circuit(self, deployment: str) -> _Circuit:
+        circuit = self._circuits.get(deployment)
+        if circuit is None:
+            breaker = pybreaker.CircuitBreaker(
+                fail_max=self.settings.fail_max,
+                # Kept for completeness: the actor times the reset itself (monotonic).
+                reset_timeout=self.settings.reset_timeout,
+                exclude=[_RateLimited],
+                listeners=[self._transitions],
+                name=deployment,
+                throw_new_error_on_trip=False,
+            )
+            circuit = self._circuits[deployment] = _Circuit(breaker)
+        return circuit
+
     def _permit(self, msg: Permit, now: float) -> Permission:
         health = self._table.get(msg.deployment, _CLOSED)
         admission, wait = health.admission(now)
@@ -232,52 +334,48 @@ class BreakerActor(Actor[Permit | Report]):
             return Permission(True)
         # OPEN whose time is up, or HALF_OPEN whose probe was returned or expired: this
         # caller is the one probe; every other caller sees probe_until and waits.
+        circuit = self._circuit(msg.deployment)
+        if circuit.breaker.current_state != pybreaker.STATE_HALF_OPEN:
+            circuit.breaker.half_open()
         self._table[msg.deployment] = replace(
             health, state=CircuitState.HALF_OPEN, probe_until=now + msg.lease, probe_token=msg.token,
             last_used=now,
         )
-        log.info("circuit %s half-open: probe granted", msg.deployment)
         return Permission(True, probe=True)
 
     def _report(self, msg: Report, now: float) -> None:
         health = self._table.get(msg.deployment, _CLOSED)
-        state, failures = health.state, health.failures
-        open_until, probe_until, cooling_until = health.open_until, health.probe_until, health.cooling_until
-        probe_token = health.probe_token
-        # Only the outstanding probe decides a half-open circuit; a probe whose lease ran
-        # out and was granted again to someone else is just a late call.
+        circuit = self._circuit(msg.deployment)
+        breaker = circuit.breaker
+        probe_until, probe_token, cooling_until = health.probe_until, health.probe_token, health.cooling_until
+        state = _STATES[breaker.current_state]
+        # Only the outstanding probe decides a half-open circuit (pybreaker would let any
+        # report decide it); a probe whose lease ran out and was granted again to someone
+        # else is just a late call. OPEN: a call from before it opened, no news.
         is_probe = msg.token != 0 and msg.token == probe_token and state is CircuitState.HALF_OPEN
         if is_probe:
             probe_until, probe_token = 0.0, 0
         outcome = msg.outcome
-        if outcome is Outcome.NEUTRAL:
-            pass  # a probe never used was returned above: the next caller may probe
-        elif outcome is Outcome.FAILURE:
-            if is_probe:
-                state, open_until = CircuitState.OPEN, now + self.settings.reset_timeout
-                log.warning("circuit %s re-opened: the probe failed", msg.deployment)
-            elif state is CircuitState.CLOSED:
-                failures += 1
-                if failures >= self.settings.fail_max:
-                    state, open_until = CircuitState.OPEN, now + self.settings.reset_timeout
-                    log.warning("circuit %s opened after %d failures", msg.deployment, failures)
-            # OPEN or HALF_OPEN and not the probe: a call from before it opened; no news.
-        else:  # SUCCESS or RATE_LIMITED: the deployment answered
-            if is_probe:
-                log.info("circuit %s closed: the probe succeeded", msg.deployment)
-            if is_probe or state is CircuitState.CLOSED:
-                state, failures, open_until = CircuitState.CLOSED, 0, 0.0
-            if outcome is Outcome.RATE_LIMITED:
-                wait = msg.retry_after if msg.retry_after is not None else DEFAULT_COOLDOWN_SECONDS
-                cooling_until = max(cooling_until, now + wait)
+        # NEUTRAL is never replayed (pybreaker would count it one way or the other); a
+        # retried attempt waits for its call's last one, unless it is the probe.
+        counted = outcome is not Outcome.NEUTRAL and (is_probe or (state is CircuitState.CLOSED and not msg.will_retry))
+        # The hot path: an answer on a closed circuit with nothing counted would only reset
+        # pybreaker's zero count; skipping that no-op saves ~6 us of replay per call.
+        no_op = outcome is not Outcome.FAILURE and state is CircuitState.CLOSED and breaker.fail_counter == 0
+        if counted and not no_op:
+            _replay(breaker, outcome)
+        if outcome is Outcome.RATE_LIMITED:
+            wait = msg.retry_after if msg.retry_after is not None else DEFAULT_COOLDOWN_SECONDS
+            cooling_until = max(cooling_until, now + wait)
         error_rate = health.error_rate
         if outcome is not Outcome.NEUTRAL:
             sample = 0.0 if outcome is Outcome.SUCCESS else 1.0
             error_rate += ERROR_ALPHA * (sample - error_rate)
+        state = _STATES[breaker.current_state]
         self._table[msg.deployment] = Health(
             state=state,
-            failures=failures,
-            open_until=open_until,
+            failures=breaker.fail_counter,
+            open_until=circuit.open_until if state is CircuitState.OPEN else 0.0,
             cooling_until=cooling_until,
             probe_until=probe_until,
             probe_token=probe_token,
@@ -297,12 +395,25 @@ class BreakerActor(Actor[Permit | Report]):
         ]
         for name in idle:
             del self._table[name]
+            self._circuits.pop(name, None)
         return len(idle)
 
     async def _sweep_forever(self) -> None:
         while True:
             await asyncio.sleep(self._sweep_seconds)
             self.post_internal(_Sweep())
+
+
+def _replay(breaker: pybreaker.CircuitBreaker, outcome: Outcome) -> None:
+    """Feed one counted outcome (not NEUTRAL) to pybreaker as the call it guarded."""
+    try:
+        with breaker.calling():
+            if outcome is Outcome.FAILURE:
+                raise _AttemptFailed
+            if outcome is Outcome.RATE_LIMITED:
+                raise _RateLimited
+    except (_AttemptFailed, _RateLimited):
+        pass  # counted (or excluded) by pybreaker; the actor only wanted the transition
 
 
 def _ewma(old: float | None, sample: float | None) -> float | None:
@@ -411,13 +522,16 @@ class BreakerHandle:
         latency: float | None = None,
         ttft: float | None = None,
         retry_after: float | None = None,
+        will_retry: bool = False,
     ) -> None:
         """Tell the outcome of one attempt; never raises (a lost report is counted).
 
         ``token`` is the one :meth:`permit` returned, if the attempt asked.
+        ``will_retry``: a failed attempt the caller sends again to the same deployment,
+        so the call counts once toward ``fail_max``, by its last attempt.
         """
         try:
-            self._ref.tell(Report(deployment, outcome, token, latency, ttft, retry_after))
+            self._ref.tell(Report(deployment, outcome, token, latency, ttft, retry_after, will_retry))
         except ActorError:
             self.dropped_reports += 1
 

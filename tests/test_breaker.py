@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import pybreaker
 import pytest
 
 from actors.breaker import Admission, BreakerActor, BreakerHandle, CircuitState, Outcome
@@ -127,6 +128,144 @@ async def test_rate_limit_cools_without_counting_and_idle_entries_go(breaker: An
     assert actor.purge_idle(asyncio.get_running_loop().time() + 10) == 0
 
 
+async def test_a_call_counts_once_however_often_it_was_retried(breaker: Any) -> None:
+    _, handle = breaker
+    for call in range(1, 3):  # two calls, each two retried attempts and a failed last one
+        for will_retry in (True, True, False):
+            handle.report(DEP, Outcome.FAILURE, will_retry=will_retry)
+        await settle(handle)
+        health = handle.health(DEP)
+        assert health.state is CircuitState.CLOSED and health.failures == call
+    assert health.calls == 6 and health.error_rate > 0  # every attempt is still measured
+    # A call that fails, then succeeds on its retry: the success resets the count.
+    handle.report(DEP, Outcome.FAILURE, will_retry=True)
+    handle.report(DEP, Outcome.SUCCESS, latency=0.01)
+    await settle(handle)
+    assert handle.health(DEP).failures == 0
+    for _ in range(3):
+        handle.report(DEP, Outcome.FAILURE, will_retry=True)
+        handle.report(DEP, Outcome.FAILURE)
+    await settle(handle)
+    assert handle.health(DEP).state is CircuitState.OPEN  # three failed calls
+
+
+async def test_the_probe_decides_at_once_even_if_its_call_would_retry(breaker: Any) -> None:
+    _, handle = breaker
+    await open_circuit(handle)
+    await asyncio.sleep(0.25)
+    permission, token = await handle.permit(DEP, 5.0)
+    assert permission.probe
+    handle.report(DEP, Outcome.FAILURE, token=token, will_retry=True)
+    await settle(handle)
+    assert handle.health(DEP).state is CircuitState.OPEN
+
+
+async def test_an_interleaved_cancellation_neither_resets_nor_counts(breaker: Any) -> None:
+    _, handle = breaker
+    for outcome in (Outcome.FAILURE, Outcome.FAILURE, Outcome.NEUTRAL):
+        handle.report(DEP, outcome)
+    await settle(handle)
+    assert handle.health(DEP).failures == 2  # not reset: a cancellation is no success
+    handle.report(DEP, Outcome.FAILURE)
+    await settle(handle)
+    assert handle.health(DEP).state is CircuitState.OPEN
+
+
+async def test_rate_limits_reset_the_count_and_a_429_probe_closes(breaker: Any) -> None:
+    _, handle = breaker
+    for outcome in (Outcome.FAILURE, Outcome.FAILURE, Outcome.RATE_LIMITED, Outcome.FAILURE, Outcome.FAILURE):
+        handle.report(DEP, outcome, retry_after=0.01)
+    await settle(handle)
+    assert handle.health(DEP).state is CircuitState.CLOSED and handle.health(DEP).failures == 2
+    await open_circuit(handle)
+    await asyncio.sleep(0.25)
+    permission, token = await handle.permit(DEP, 5.0)
+    assert permission.probe
+    handle.report(DEP, Outcome.RATE_LIMITED, token=token, retry_after=0.05)
+    await settle(handle)
+    health = handle.health(DEP)
+    assert health.state is CircuitState.CLOSED and health.failures == 0  # it answered
+    assert handle.admission(DEP)[0] is Admission.WAIT  # but cools for its Retry-After
+
+
+# ----------------------------------------------------------------------------- pybreaker
+# What the actor relies on in pybreaker, and what it works around (notes/libraries.md):
+# pinned here so an upgrade that changes either fails a test, not production.
+class _Boom(Exception):
+    pass
+
+
+class _Excluded(Exception):
+    pass
+
+
+def _fold(cb: pybreaker.CircuitBreaker, exc: type[Exception] | None) -> None:
+    try:
+        with cb.calling():
+            if exc is not None:
+                raise exc
+    except (_Boom, _Excluded):
+        pass
+
+
+async def test_pybreaker_calling_works_around_an_await_and_opens_at_fail_max() -> None:
+    cb = pybreaker.CircuitBreaker(fail_max=2, reset_timeout=60, throw_new_error_on_trip=False)
+    for _ in range(2):
+        with pytest.raises(_Boom), cb.calling():
+            await asyncio.sleep(0)
+            raise _Boom
+    assert cb.current_state == pybreaker.STATE_OPEN
+    with pytest.raises(pybreaker.CircuitBreakerError), cb.calling():
+        pass
+
+
+async def test_pybreaker_half_open_admits_every_concurrent_caller_so_the_actor_gates_it() -> None:
+    cb = pybreaker.CircuitBreaker(fail_max=1, reset_timeout=60, throw_new_error_on_trip=False)
+    _fold(cb, _Boom)
+    cb.half_open()
+    admitted = 0
+
+    async def caller() -> None:
+        nonlocal admitted
+        with cb.calling():
+            admitted += 1
+            await asyncio.sleep(0.01)
+
+    await asyncio.gather(*(caller() for _ in range(10)))
+    assert admitted == 10  # no single trial call: hence the actor's probe token and lease
+    assert cb.current_state == pybreaker.STATE_CLOSED
+
+
+def test_pybreaker_counts_excluded_as_success_and_cancellation_as_failure() -> None:
+    cb = pybreaker.CircuitBreaker(fail_max=3, reset_timeout=60, exclude=[_Excluded], throw_new_error_on_trip=False)
+    _fold(cb, _Boom)
+    _fold(cb, _Boom)
+    _fold(cb, _Excluded)
+    assert cb.fail_counter == 0  # excluded resets: right for a 429, wrong for a cancellation
+    with pytest.raises(asyncio.CancelledError), cb.calling():
+        raise asyncio.CancelledError
+    assert cb.fail_counter == 1  # so the actor never replays a cancelled call
+
+
+async def test_the_actor_drives_one_pybreaker_per_deployment(breaker: Any) -> None:
+    actor, handle = breaker
+    states: list[tuple[str, str]] = []
+
+    class Seen(pybreaker.CircuitBreakerListener):
+        def state_change(self, cb: Any, old: Any, new: Any) -> None:
+            states.append((cb.name, new.name))
+
+    handle.report(DEP, Outcome.SUCCESS)
+    await settle(handle)
+    actor._circuits[DEP].breaker.add_listener(Seen())
+    await open_circuit(handle)
+    await asyncio.sleep(0.25)
+    _, token = await handle.permit(DEP, 5.0)
+    handle.report(DEP, Outcome.SUCCESS, token=token)
+    await settle(handle)
+    assert states == [(DEP, "open"), (DEP, "half-open"), (DEP, "closed")]
+
+
 # ----------------------------------------------------------------------------- over loopback
 BREAKER = {"fail_max": 2, "reset_timeout_seconds": 0.3}
 
@@ -192,3 +331,30 @@ async def test_client_disconnects_do_not_open_it_and_return_the_probe(
     resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))
     assert resp.status == 200
     assert gw.state.breaker.health("a/m").state is CircuitState.CLOSED
+
+
+async def test_a_failed_call_with_retries_counts_once_toward_fail_max(
+    gateway_factory: Any, fake_factory: Any, api_key: str
+) -> None:
+    """fail_max 3 and two retries: one call whose three attempts fail leaves the circuit
+    closed (it used to open it for reset_timeout); three such calls open it."""
+    fake = await fake_factory()
+    gw = await gateway_factory(env={"UPSTREAM_MAX_RETRIES": "2"}, config_yaml=fleet_config(
+        {"a": fake}, [{"name": "m", "deployments": [{"provider": "a", "model": "m"}]}],
+        circuit_breaker={"fail_max": 3, "reset_timeout_seconds": 60}))
+    calls = records(gw)
+    await fake.script(*({"status": 503} for _ in range(9)))
+    for call in range(1, 3):
+        resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))
+        assert resp.status == 503 and (await resp.json())["error"]["type"] == "fake"  # the provider's own
+        assert calls[-1].retries == 2
+        (status,) = gw.state.deployment_health()
+        assert status.state is CircuitState.CLOSED and status.consecutive_failures == call
+    assert await served_by(fake) == [6]
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="m", stream=True), headers=auth(api_key))
+    assert resp.status == 503 and (await resp.json())["error"]["type"] == "fake"
+    (status,) = gw.state.deployment_health()
+    assert status.state is CircuitState.OPEN and status.calls == 9
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))
+    assert resp.status == 503 and (await resp.json())["error"]["code"] == "circuit_open"
+    assert await served_by(fake) == [9]  # open: the provider is left alone

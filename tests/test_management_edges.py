@@ -240,6 +240,7 @@ async def test_providers_lists_deployments_without_secrets(
         {"name": "*", "deployments": [{"provider": "fake", "model": "*"}]},
         {"name": "also-big", "deployments": [{"provider": "fake", "model": "big", "priority": 5, "weight": 2}]},
     ]
+    doc["circuit_breaker"] = {"fail_max": 1}  # one failed call (its retries count once) opens a circuit
     gw = await gateway_factory(env={"ADMIN_TOKEN": ADMIN_TOKEN}, config_yaml=yaml.safe_dump(doc))
     resp = await gw.management.get("/admin/providers", headers=ADMIN)
     assert resp.status == 200
@@ -262,7 +263,7 @@ async def test_providers_lists_deployments_without_secrets(
         assert d["circuit_state"] == "closed"
         assert d["latency_ms"] is None and d["recent_requests"] == 0
 
-    # Three failures open fake/big's breaker (one call: the attempt and its two retries).
+    # One failed call opens fake/big's breaker; its three attempts (two retries) are all measured.
     raw, _ = await KeyStore(gw.state.pool).create("providers-view")
     await fake.script({"status": 500}, {"status": 500}, {"status": 500})
     resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="also-big"), headers=auth(raw))

@@ -20,7 +20,10 @@ the group's ``fallbacks`` (model names, resolved like a client's, one level deep
 
 Every attempt's outcome goes to the breaker as a tell (never awaited): failures,
 successes with latency (time to first event for streams), 429s, and cancellations as
-neutral. A stream is watched to its end, so a stream cut mid-way counts as a failure.
+neutral. A failed attempt that is sent again to the same deployment is marked
+``will_retry``: the breaker counts a call once toward ``fail_max``, by its last attempt
+on the deployment, so one unlucky call cannot open a circuit. A stream is watched to its
+end, so a stream cut mid-way counts as a failure.
 
 Embeddings (:func:`embed`) go the same way as a whole chat call, over the targets whose
 provider serves embeddings (others are passed over, not counted as failures).
@@ -231,14 +234,16 @@ class _Call:
                     reply = await provider.chat(body, stream=self.stream, headers=self.headers, timeouts=timeouts)
                 first = await _first_event(reply) if self.stream and reply.ok and reply.events is not None else None
             except ProviderError as exc:
-                breaker.report(deployment, Outcome.FAILURE, token=token)
+                resend = may_resend(exc, provider.config)
+                retry = resend and attempt < max_retries
+                breaker.report(deployment, Outcome.FAILURE, token=token, will_retry=retry and not token)
                 self.last_error, self.last_reply, self.last_target = exc, None, target
-                if not may_resend(exc, provider.config):
+                if not resend:
                     # It may have run upstream: sending it anywhere again could bill twice.
                     if isinstance(exc, UpstreamTimeoutError):
                         raise UpstreamTimeout("upstream timed out (not retried: retry_on_timeout is off)") from None
                     raise UpstreamUnavailable(f"upstream failed after sending: {exc}") from None
-                if attempt >= max_retries:
+                if not retry:
                     return None
                 delay = state.retry_policy.delay(attempt, None)
                 reason = type(exc).__name__
@@ -256,17 +261,23 @@ class _Call:
                         breaker.report(deployment, Outcome.SUCCESS, token=token, latency=elapsed)
                     return reply
                 retry_after = reply.retry_after
+                if status == 429 and retry_after is None:
+                    retry_after = DEFAULT_COOLDOWN_SECONDS
+                retry = (
+                    status in RETRYABLE_STATUSES
+                    and not (status == 429 and more)  # cooled: another deployment beats waiting
+                    and attempt < max_retries
+                    and (retry_after is None or retry_after <= state.retry_policy.max_retry_after)
+                )
                 if status == 429:
-                    retry_after = DEFAULT_COOLDOWN_SECONDS if retry_after is None else retry_after
                     breaker.report(deployment, Outcome.RATE_LIMITED, token=token, retry_after=retry_after)
                 else:
-                    breaker.report(deployment, Outcome.FAILURE, token=token)
+                    # A call counts once toward the breaker: a failed attempt sent again
+                    # here waits for the call's last one (a probe decides at once).
+                    breaker.report(deployment, Outcome.FAILURE, token=token, will_retry=retry and not token)
                 await reply.release()
                 self.last_error, self.last_reply, self.last_target = None, reply, target
-                if (status == 429 and more) or status not in RETRYABLE_STATUSES:
-                    return None  # cooled: another deployment now beats waiting here
-                too_long = retry_after is not None and retry_after > state.retry_policy.max_retry_after
-                if attempt >= max_retries or too_long:
+                if not retry:
                     return None
                 delay = state.retry_policy.delay(attempt, retry_after)
                 reason = str(status)
