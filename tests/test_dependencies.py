@@ -28,6 +28,7 @@ IMPORTED_AS = {
     "PyYAML": "yaml",
     "uvloop": "uvloop",
     "pgserver": "pgserver",
+    "pydantic": "pydantic",
 }
 #: Used without an import of ours: redis-py parses replies with hiredis when installed.
 ACCELERATORS = {"hiredis"}
