@@ -273,3 +273,37 @@ async def test_moderation_blocks_flagged_text_and_records_the_categories() -> No
         await engine.screen_input(chat("a kind word"))
         with pytest.raises(GuardrailBlocked):
             await engine.screen_input(chat("words of hate"))
+
+
+def _load(tmp_path: Path, text: str) -> Any:
+    from gateway.core.config import load_config, load_settings
+
+    path = tmp_path / "gateway.yaml"
+    path.write_text(text)
+    return load_config(load_settings({"GATEWAY_CONFIG": str(path)}), {})
+
+
+GROUP = "providers: {l: {type: mock}}\nmodels: [{name: m, deployments: [{provider: l, model: m}], guardrails: [g]}]\n"
+
+
+def test_the_config_file_declares_policies_and_attaches_them(tmp_path: Path) -> None:
+    config = _load(tmp_path, GROUP + "guardrails: {policies: {g: {type: pii, mode: redact, on: both}}, keys: {llmg_ab12cd34: [g]}}\n")
+    policy = config.guardrails.policies["g"]
+    assert (policy.name, policy.type, policy.mode, policy.applies_to_output()) == ("g", "pii", "redact", True)
+    assert config.models[0].guardrails == ("g",) and config.guardrails.keys == {"llmg_ab12cd34": ("g",)}
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ("", "models[0].guardrails[0]: unknown guardrail policy 'g'"),
+    ("guardrails: {policies: {g: {type: webhook}}}\n", "guardrails.policies.g.url: a webhook policy needs 'url'"),
+    ("guardrails: {policies: {g: {type: pii, mod: redact}}}\n", "guardrails.policies.g.mod: unknown key"),
+    ("guardrails: {policies: {g: {type: pii, mode: shout}}}\n", "guardrails.policies.g.mode: expected one of block, redact, log"),
+    ("guardrails: {policies: {g: {type: max_input}}}\n", "guardrails.policies.g: a max_input policy needs max_chars or max_tokens"),
+    ("guardrails: {policies: {g: {type: pii}}, keys: {llmg_x: [h]}}\n", "guardrails.keys.llmg_x: unknown guardrail policy 'h'"),
+])
+def test_a_bad_guardrails_section_is_refused_naming_the_entry(tmp_path: Path, extra: str, message: str) -> None:
+    from gateway.core.config import ConfigError
+
+    with pytest.raises(ConfigError) as caught:
+        _load(tmp_path, GROUP + extra)
+    assert str(caught.value).startswith(message), str(caught.value)

@@ -22,7 +22,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from limits import parse as parse_limit
@@ -40,10 +40,11 @@ from pydantic import (
     model_validator,
 )
 from pydantic.dataclasses import dataclass
-from pydantic_core import ArgsKwargs
 
 from gateway.core.extras import extra_installed
+from gateway.core.guardrail_config import GuardrailSettings
 from gateway.core.schema import SHAPE, Number, first_problem, problem, says
+from gateway.core.schema import Section as _Section
 from gateway.core.settings import (
     DEFAULT_VENICE_BASE_URL,
     ConfigError,
@@ -84,34 +85,6 @@ ANTHROPIC_BASE_URL = "https://api.anthropic.com"
 #: A duration in seconds as the file writes it; zero would mean "time out at once".
 Seconds = Annotated[Number, Field(ge=0.001)]
 NonEmpty = Annotated[StrictStr, Field(min_length=1)]
-
-
-class _Section:
-    """What every section of the file shares: unknown keys refused, naming the allowed ones.
-
-    The check (and :meth:`_prepare`) applies to mappings read from the file only; Python
-    code building a section with attribute names goes straight to the field checks.
-    """
-
-    #: Fields the gateway fills in itself (never written in the file).
-    _not_in_file: ClassVar[tuple[str, ...]] = ()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _from_file(cls, data: Any) -> Any:
-        if isinstance(data, ArgsKwargs) or not isinstance(data, dict):
-            return data
-        fields = getattr(cls, "__pydantic_fields__", {})
-        allowed = [f.validation_alias or name for name, f in fields.items() if name not in cls._not_in_file]
-        for key in data:
-            if key not in allowed:
-                raise problem(f"unknown key (allowed: {', '.join(map(str, allowed))})", at=str(key))
-        return cls._prepare(dict(data))
-
-    @classmethod
-    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Defaults that depend on other keys; a null section means its defaults."""
-        return data
 
 
 def _drop_nulls(data: dict[str, Any], *keys: str) -> dict[str, Any]:
@@ -242,10 +215,12 @@ class ModelGroup(_Section):
     timeout: Seconds | None = Field(default=None, validation_alias="timeout_seconds")
     idle_timeout: Seconds | None = Field(default=None, validation_alias="idle_timeout_seconds")
     cache: CachePolicy | None = None
+    #: Guardrail policy names (``guardrails.policies``), run in this order on every call.
+    guardrails: Annotated[tuple[StrictStr, ...], says("expected a list of guardrail policy names")] = ()
 
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
-        return _drop_nulls(data, "fallbacks")
+        return _drop_nulls(data, "fallbacks", "guardrails")
 
     @property
     def is_wildcard(self) -> bool:
@@ -352,6 +327,7 @@ class GatewayConfig(_Section):
     circuit_breaker: BreakerSettings = BreakerSettings()
     rate_limits: RateLimitSettings = RateLimitSettings()
     cache: CacheSettings = CacheSettings()
+    guardrails: GuardrailSettings = GuardrailSettings()
 
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -397,6 +373,9 @@ def _check_references(config: GatewayConfig) -> None:
     if embedder != "local" and embedder not in names:
         raise ConfigError(f"cache.semantic.embedder: expected 'local' or a model name, got {embedder!r}")
     for i, m in enumerate(config.models):
+        for j, policy in enumerate(m.guardrails):
+            if policy not in config.guardrails.policies:
+                raise ConfigError(f"models[{i}].guardrails[{j}]: unknown guardrail policy {policy!r}")
         if m.cache is not None and m.cache.mode == "semantic" and embedder == "local" and not extra_installed("semantic"):
             raise ConfigError(
                 f"models[{i}].cache.mode: semantic needs the local embedding model "

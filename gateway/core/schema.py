@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import ConfigDict, GetCoreSchemaHandler, Strict, ValidationError, WrapValidator
-from pydantic_core import ErrorDetails, PydanticCustomError, core_schema
+from pydantic import ConfigDict, GetCoreSchemaHandler, Strict, ValidationError, WrapValidator, model_validator
+from pydantic_core import ArgsKwargs, ErrorDetails, PydanticCustomError, core_schema
 
 __all__ = [
     "SHAPE",
+    "Section",
     "Number",
     "OneOf",
     "error_path",
@@ -146,3 +147,31 @@ def first_problem(exc: ValidationError, root: str = "config") -> tuple[str, str]
     if error["type"] == PROBLEM and at:
         loc.append(at)
     return error_path(loc, root), describe(error)
+
+
+class Section:
+    """What every section of the file shares: unknown keys refused, naming the allowed ones.
+
+    The check (and :meth:`_prepare`) applies to mappings read from the file only; Python
+    code building a section with attribute names goes straight to the field checks.
+    """
+
+    #: Fields the gateway fills in itself (never written in the file).
+    _not_in_file: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_file(cls, data: Any) -> Any:
+        if isinstance(data, ArgsKwargs) or not isinstance(data, dict):
+            return data
+        fields = getattr(cls, "__pydantic_fields__", {})
+        allowed = [f.validation_alias or name for name, f in fields.items() if name not in cls._not_in_file]
+        for key in data:
+            if key not in allowed:
+                raise problem(f"unknown key (allowed: {', '.join(map(str, allowed))})", at=str(key))
+        return cls._prepare(dict(data))
+
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Defaults that depend on other keys; a null section means its defaults."""
+        return data

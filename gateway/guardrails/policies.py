@@ -33,21 +33,17 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gateway.core.guardrail_config import GuardrailPolicy as Policy
 from gateway.guardrails.detectors import DETECTORS, NATIONAL_ID_DETECTORS, Detector, Match, find_matches
 
 __all__ = [
+    "DEFAULT_PII",
     "LOCAL_TYPES",
     "Decision",
-    "Mode",
     "Policy",
-    "PolicyType",
     "TextRule",
     "compile_rule",
 ]
-
-Mode = Literal["block", "redact", "log"]
-Direction = Literal["input", "output", "both"]
-PolicyType = Literal["pii", "terms", "max_input", "webhook", "moderation", "hook"]
 
 #: Policies decided on the text alone, without I/O (and so incrementally on streams).
 LOCAL_TYPES = frozenset({"pii", "terms"})
@@ -55,39 +51,6 @@ LOCAL_TYPES = frozenset({"pii", "terms"})
 #: The detectors a ``pii`` policy uses when it names none: all but the national ids,
 #: which only make sense for the countries a deployment serves.
 DEFAULT_PII = tuple(name for name in DETECTORS if name not in NATIONAL_ID_DETECTORS)
-
-
-@dataclass(frozen=True, slots=True)
-class Policy:
-    """One configured policy (``guardrails.policies.<name>`` in the config file)."""
-
-    name: str
-    type: PolicyType
-    mode: Mode = "block"
-    on: Direction = "input"
-    #: pii: detector names (default :data:`DEFAULT_PII`) plus national id formats.
-    detectors: tuple[str, ...] = ()
-    #: terms: words or phrases, matched case-insensitively as whole words.
-    terms: tuple[str, ...] = ()
-    #: terms: regular expressions (Python syntax), matched case-insensitively.
-    patterns: tuple[str, ...] = ()
-    #: max_input: bounds on the prompt (characters, and tokens as the gateway estimates them).
-    max_chars: int | None = None
-    max_tokens: int | None = None
-    #: webhook: where to POST, how long to wait, and what a failure means.
-    url: str | None = None
-    timeout_seconds: float = 1.0
-    fail_open: bool = False
-    #: moderation: the model group whose deployment serves ``/moderations``.
-    model: str | None = None
-    #: hook: ``module:function``.
-    hook: str | None = None
-
-    def applies_to_input(self) -> bool:
-        return self.on in ("input", "both")
-
-    def applies_to_output(self) -> bool:
-        return self.on in ("output", "both")
 
 
 @dataclass(frozen=True, slots=True)
