@@ -138,7 +138,7 @@ async def test_max_input_by_characters_and_tokens() -> None:
 
 
 async def test_output_policies_screen_whole_answers() -> None:
-    engine = GuardrailEngine([Policy("pii", "pii", mode="redact", on="output")])
+    engine = GuardrailEngine([Policy("pii", "pii", mode="redact", direction="output")])
     answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": f"card {CARD}"}}]}
     screened, decisions = await engine.screen_answer(answer)
     assert screened["choices"][0]["message"]["content"] == "card [REDACTED:card_number]"
@@ -151,7 +151,7 @@ async def test_output_policies_screen_whole_answers() -> None:
 @pytest.mark.parametrize("mode", ["redact", "block"])
 def test_a_card_number_split_at_any_offset_never_reaches_the_client(mode: str) -> None:
     text = f"Sure. Your card is {CARD}, keep it safe. " + "More words follow here. " * 12
-    engine = GuardrailEngine([Policy("pii", "pii", mode=mode, on="output")])  # type: ignore[arg-type]
+    engine = GuardrailEngine([Policy("pii", "pii", mode=mode, direction="output")])  # type: ignore[arg-type]
     for cut in range(1, len(text)):
         for step in (1, 7, cut):
             screen = StreamScreen(engine.stream_rules)
@@ -174,14 +174,14 @@ def test_a_card_number_split_at_any_offset_never_reaches_the_client(mode: str) -
 
 
 def test_a_stream_is_held_back_only_by_the_window() -> None:
-    screen = StreamScreen(GuardrailEngine([Policy("pii", "pii", mode="redact", on="output")]).stream_rules)
+    screen = StreamScreen(GuardrailEngine([Policy("pii", "pii", mode="redact", direction="output")]).stream_rules)
     long_text = "word " * 100
     released = screen.feed(0, long_text)
     assert len(released) >= len(long_text) - 160 and long_text.startswith(released)
     assert released + screen.finish(0) == long_text
     # A private key is held from its BEGIN line until its END line, then redacted whole.
     key = "-----BEGIN PRIVATE KEY-----\n" + "A" * 400 + "\n-----END PRIVATE KEY-----"
-    screen = StreamScreen(GuardrailEngine([Policy("pii", "pii", mode="redact", on="output")]).stream_rules)
+    screen = StreamScreen(GuardrailEngine([Policy("pii", "pii", mode="redact", direction="output")]).stream_rules)
     out = [screen.feed(0, "here: " + key[:100])]
     out += [screen.feed(0, key[i:i + 50]) for i in range(100, len(key), 50)]
     out.append(screen.feed(0, " done" + " pad" * 60))
@@ -287,7 +287,7 @@ GROUP = "providers: {l: {type: mock}}\nmodels: [{name: m, deployments: [{provide
 
 
 def test_the_config_file_declares_policies_and_attaches_them(tmp_path: Path) -> None:
-    config = _load(tmp_path, GROUP + "guardrails: {policies: {g: {type: pii, mode: redact, on: both}}, keys: {llmg_ab12cd34: [g]}}\n")
+    config = _load(tmp_path, GROUP + "guardrails: {policies: {g: {type: pii, mode: redact, direction: both}}, keys: {llmg_ab12cd34: [g]}}\n")
     policy = config.guardrails.policies["g"]
     assert (policy.name, policy.type, policy.mode, policy.applies_to_output()) == ("g", "pii", "redact", True)
     assert config.models[0].guardrails == ("g",) and config.guardrails.keys == {"llmg_ab12cd34": ("g",)}

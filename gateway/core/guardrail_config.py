@@ -6,7 +6,7 @@ is :mod:`gateway.guardrails`, which reads these same classes (one declaration pe
     guardrails:
       policies:
         no-secrets: {type: pii, mode: block, detectors: [api_key, private_key]}
-        mask-pii:   {type: pii, mode: redact, on: both}
+        mask-pii:   {type: pii, mode: redact, direction: both}
         topics:     {type: terms, terms: ["project falcon"], patterns: ["\\\\bcve-\\\\d{4}-\\\\d+"]}
         size:       {type: max_input, max_tokens: 8000}
         review:     {type: webhook, url: "https://guard.internal/check", timeout_seconds: 0.5, fail_open: true}
@@ -40,13 +40,14 @@ _NEEDS: dict[str, tuple[str, ...]] = {"webhook": ("url",), "moderation": ("model
 
 @dataclass(frozen=True, config=SHAPE)
 class GuardrailPolicy(Section):
-    """One policy: what it looks for (``type``), what it does (``mode``), and where (``on``)."""
+    """One policy: what it looks for (``type``), what it does (``mode``), and where (``direction``)."""
 
     #: Filled in from the key under ``guardrails.policies``.
     name: StrictStr = ""
     type: PolicyType = "pii"
     mode: Mode = "block"
-    on: Direction = "input"
+    #: ``input``, ``output`` or ``both`` (not ``on:``, which YAML reads as ``true``).
+    direction: Direction = "input"
     #: pii: detector names (default: all but the national ids, which are named to apply).
     detectors: tuple[StrictStr, ...] = ()
     #: terms: words or phrases (case-insensitive, whole words), and regular expressions.
@@ -76,10 +77,10 @@ class GuardrailPolicy(Section):
         return self
 
     def applies_to_input(self) -> bool:
-        return self.on in ("input", "both")
+        return self.direction in ("input", "both")
 
     def applies_to_output(self) -> bool:
-        return self.on in ("output", "both")
+        return self.direction in ("output", "both")
 
 
 @dataclass(frozen=True, config=SHAPE)

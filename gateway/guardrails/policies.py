@@ -3,7 +3,7 @@
 A policy has a ``type`` (what it looks for), a ``mode`` (``block``: refuse the call with
 400 ``guardrail_blocked`` naming the policy; ``redact``: replace the matched text before it
 goes upstream, or before it reaches the client; ``log``: only count and record) and the
-direction it applies ``on`` (``input``, ``output`` or ``both``).
+direction it applies to (``direction``) (``input``, ``output`` or ``both``).
 
 Types:
 
