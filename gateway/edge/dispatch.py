@@ -22,6 +22,10 @@ Every attempt's outcome goes to the breaker as a tell (never awaited): failures,
 successes with latency (time to first event for streams), 429s, and cancellations as
 neutral. A stream is watched to its end, so a stream cut mid-way counts as a failure.
 
+A call may carry the request as its client sent it (:class:`NativeCall`): a target whose
+provider speaks that protocol natively (``speaks_messages``) gets it, with only the model
+name changed, and its reply comes back in that wire; every other target gets the chat body.
+
 Embeddings (:func:`embed`) go the same way as a whole chat call, over the targets whose
 provider serves embeddings (others are passed over, not counted as failures).
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -41,6 +46,7 @@ from gateway.core.errors import CircuitOpen, GatewayError, ModelNotFound, Upstre
 from gateway.core.usage import CallRecord
 from gateway.edge import telemetry
 from gateway.http.state import GatewayState
+from gateway.protocols.anthropic_stream import is_message_stop
 from gateway.protocols.sse import event_data
 from gateway.providers.base import (
     Provider,
@@ -53,10 +59,22 @@ from gateway.providers.base import (
 from gateway.relay.retry import RETRYABLE_STATUSES, is_failure_status, may_resend
 from gateway.relay.routing import Route, Target
 
-__all__ = ["dispatch", "embed", "timeouts_for"]
+__all__ = ["NativeCall", "dispatch", "embed", "timeouts_for"]
 
 #: Added to a probe's timeouts for its lease, so a slow probe is not taken for a lost one.
 _PROBE_LEASE_MARGIN = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class NativeCall:
+    """An Anthropic Messages request as its client sent it, for deployments that speak it."""
+
+    body: dict[str, Any]
+    #: Client headers the native API reads (``anthropic-version``, ``anthropic-beta``).
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def for_model(self, model: str) -> dict[str, Any]:
+        return self.body if self.body.get("model") == model else {**self.body, "model": model}
 
 
 def timeouts_for(group: ModelGroup, provider: Provider) -> Timeouts:
@@ -79,6 +97,7 @@ async def dispatch(
     *,
     stream: bool,
     headers: Mapping[str, str] | None = None,
+    native: NativeCall | None = None,
 ) -> tuple[Target, UpstreamReply]:
     """The first good reply among the route's targets, then its fallbacks'.
 
@@ -87,7 +106,7 @@ async def dispatch(
     ``record`` gets provider, deployment, retries, failovers and fallback_model, and
     the time spent waiting on providers. ``headers`` default to the call's trace context.
     """
-    call = _Call(state, body, record, stream, record.trace_headers if headers is None else headers)
+    call = _Call(state, body, record, stream, record.trace_headers if headers is None else headers, native=native)
     return await _run(call, state, route, record)
 
 
@@ -129,14 +148,16 @@ class _Call:
 
     __slots__ = (
         "attempted", "body", "breaker", "capable", "embeddings", "headers", "last_error", "last_reply",
-        "last_target", "record", "state", "stream", "wait",
+        "last_target", "native", "record", "state", "stream", "wait",
     )
 
     def __init__(
         self, state: GatewayState, body: dict[str, Any], record: CallRecord, stream: bool,
-        headers: Mapping[str, str], *, embeddings: bool = False,
+        headers: Mapping[str, str], *, embeddings: bool = False, native: NativeCall | None = None,
     ) -> None:
         self.state = state
+        #: The client's own request, for targets speaking its protocol natively.
+        self.native = native
         #: An embeddings call: only targets whose provider serves embeddings are tried.
         self.embeddings = embeddings
         #: Targets that could take this call (open circuits included).
@@ -227,6 +248,11 @@ class _Call:
             try:
                 if self.embeddings:
                     reply = await provider.embeddings(body, headers=self.headers, timeouts=timeouts)
+                elif self.native is not None and provider.speaks_messages:
+                    reply = await provider.messages(
+                        self.native.for_model(target.upstream_model), stream=self.stream,
+                        headers={**self.headers, **self.native.headers}, timeouts=timeouts,
+                    )
                 else:
                     reply = await provider.chat(body, stream=self.stream, headers=self.headers, timeouts=timeouts)
                 first = await _first_event(reply) if self.stream and reply.ok and reply.events is not None else None
@@ -306,6 +332,11 @@ async def _first_event(reply: UpstreamReply) -> bytes:
     return first
 
 
+def _is_done(event: bytes) -> bool:
+    """The chat stream's end marker."""
+    return event_data(event) == b"[DONE]"
+
+
 def _watch(reply: UpstreamReply, first: bytes, deployment: str, breaker: BreakerHandle) -> None:
     """Relay ``first`` then the rest; a stream cut or broken mid-way is a failure.
 
@@ -313,13 +344,14 @@ def _watch(reply: UpstreamReply, first: bytes, deployment: str, breaker: Breaker
     """
     inner = reply.events
     assert inner is not None
+    ends = _is_done if reply.wire == "chat" else is_message_stop
 
     async def events() -> AsyncIterator[bytes]:
-        done = event_data(first) == b"[DONE]"
+        done = ends(first)
         try:
             yield first
             async for event in inner:
-                if not done and event_data(event) == b"[DONE]":
+                if not done and ends(event):
                     done = True
                 yield event
         except ProviderError:

@@ -36,7 +36,9 @@ from gateway.protocols.anthropic import (
 )
 from gateway.protocols.sse import event_data
 
-__all__ = ["ChunksFromEvents", "EventsFromChunks", "NativeStreamTap", "StreamBroken", "encode_event"]
+__all__ = [
+    "ChunksFromEvents", "EventsFromChunks", "NativeStreamTap", "StreamBroken", "encode_event", "is_message_stop",
+]
 
 _DONE = b"data: [DONE]\n\n"
 
@@ -299,3 +301,17 @@ class NativeStreamTap:
             return None
         counts = chat_usage(self._usage)
         return Usage(prompt_tokens=counts["prompt_tokens"], completion_tokens=counts["completion_tokens"])
+
+
+def is_message_stop(event: bytes) -> bool:
+    """Whether ``event`` is a Messages stream's last (``message_stop``)."""
+    if b"message_stop" not in event:
+        return False
+    data = event_data(event)
+    if data is None:
+        return False
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and obj.get("type") == "message_stop"
