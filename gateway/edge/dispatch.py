@@ -72,6 +72,9 @@ class NativeCall:
     body: dict[str, Any]
     #: Client headers the native API reads (``anthropic-version``, ``anthropic-beta``).
     headers: Mapping[str, str] = field(default_factory=dict)
+    #: Why the request has no chat translation (e.g. a document block): only targets
+    #: speaking it natively may take it; with none, this is the answer.
+    chat_error: GatewayError | None = None
 
     def for_model(self, model: str) -> dict[str, Any]:
         return self.body if self.body.get("model") == model else {**self.body, "model": model}
@@ -181,6 +184,9 @@ class _Call:
                 # e.g. an Anthropic deployment in the group: passed over, not a failure.
                 providers = self.state.providers
                 ordered = [t for t in ordered if providers[t.provider].serves_embeddings]
+            elif self.native is not None and self.native.chat_error is not None:
+                providers = self.state.providers
+                ordered = [t for t in ordered if providers[t.provider].speaks_messages]
             for index, target in enumerate(ordered):
                 key = (target.deployment.id, target.upstream_model)
                 if key in seen:
@@ -200,6 +206,8 @@ class _Call:
         record = self.record
         if self.embeddings and self.capable == 0:
             raise ModelNotFound(f"no deployment of model {record.requested_model!r} serves embeddings")
+        if self.native is not None and self.native.chat_error is not None and self.capable == 0:
+            raise self.native.chat_error
         if self.attempted == 0:
             raise CircuitOpen(
                 f"no healthy deployment for model {record.requested_model!r}", retry_after=self.wait or 1.0

@@ -572,13 +572,97 @@ _READY = {
 }
 
 
+# -- Anthropic's Messages API (/v1/messages): its own request, answer and error shapes --------
+def _anthropic_error(description: str) -> dict[str, Any]:
+    return _json_body(_ref("AnthropicError"), description)
+
+
+_ANTHROPIC_ERROR = {
+    "type": "object", "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {"type": "object", "required": ["type", "message"],
+                  "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
+    },
+}
+_TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
+               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_ANTHROPIC_MESSAGES = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role", "content"],
+    "properties": {
+        "role": {"enum": ["user", "assistant"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
+    },
+}}
+_ANTHROPIC_SYSTEM = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]}
+_MESSAGES_REQUEST = {
+    "type": "object", "required": ["model", "max_tokens", "messages"],
+    "description": "Anthropic Messages API (image, tool_use and tool_result blocks, tools, tool_choice, "
+                   "stop_sequences, temperature, top_p, top_k, metadata are accepted too; see docs/protocols.md)",
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "pattern": r"\S"},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "messages": _ANTHROPIC_MESSAGES,
+        "system": _ANTHROPIC_SYSTEM,
+        "stream": {"type": "boolean"},
+    },
+}
+_COUNT_TOKENS_REQUEST = {
+    "type": "object", "required": ["model", "messages"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "pattern": r"\S"},
+        "messages": _ANTHROPIC_MESSAGES,
+        "system": _ANTHROPIC_SYSTEM,
+    },
+}
+_ANTHROPIC_MESSAGE = {
+    "type": "object", "required": ["id", "type", "role", "content", "model", "stop_reason", "usage"],
+    "properties": {
+        "id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+        "content": {"type": "array", "items": {"type": "object", "required": ["type"]}},
+        "model": {"type": "string"}, "stop_reason": {"type": ["string", "null"]},
+        "usage": {"type": "object", "required": ["input_tokens", "output_tokens"]},
+    },
+}
+_ANTHROPIC_EVENT = {
+    "type": "object", "required": ["event", "data"],
+    "properties": {
+        "event": {"enum": ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                           "message_delta", "message_stop", "ping", "error"]},
+        "data": {
+            "type": "string",
+            "description": "the event's object as JSON, its type the event's name; a failure after the first "
+                           "byte is one event: error ({\"type\": \"error\", \"error\": {...}})",
+        },
+        "id": {"type": "string"},
+    },
+}
+_ANTHROPIC_ERRORS = {
+    "400": _anthropic_error("malformed body (invalid_request_error)"),
+    "401": _anthropic_error("missing, malformed, unknown, revoked or expired key (authentication_error)"),
+    "402": _anthropic_error("the key's or subject's budget is spent (billing_error)"),
+    "403": _anthropic_error("model outside the key's allowlist (permission_error)"),
+    "404": _anthropic_error("no route for the model (not_found_error)"),
+    "413": _anthropic_error("body over REQUEST_BODY_LIMIT_BYTES (request_too_large)"),
+    "429": _anthropic_error("a rate limit is hit (rate_limit_error); Retry-After"),
+    "502": _anthropic_error("transport failure after retries (api_error)"),
+    "504": _anthropic_error("the provider took longer than its timeout (api_error)"),
+    "529": _anthropic_error("no healthy deployment, or overloaded (overloaded_error); Retry-After"),
+    "default": {
+        "description": "an HTTP error answered by the provider itself, with its status, in Anthropic's shape",
+        "content": {JSON: {"schema": {}}},
+    },
+}
+
+
 def data_plane_document() -> dict[str, Any]:
-    """The data plane: health, readiness, chat completions, models, embeddings."""
+    """The data plane: health, readiness, chat completions, Anthropic messages, models, embeddings."""
     return {
         "openapi": OPENAPI_VERSION,
         "info": {
             "title": "llm-gateway data plane", "version": API_VERSION,
-            "description": "OpenAI-compatible. A key is sent as Authorization: Bearer KEY or x-api-key: KEY.",
+            "description": "OpenAI-compatible, and Anthropic's Messages API at /v1/messages. "
+                           "A key is sent as Authorization: Bearer KEY or x-api-key: KEY.",
         },
         "security": [{"bearerKey": []}, {"headerKey": []}],
         "paths": {
@@ -604,6 +688,32 @@ def data_plane_document() -> dict[str, Any]:
                     **_KEY_ERRORS, **_UPSTREAM_ERRORS, **_PROVIDER_ANSWER,
                 },
             }},
+            "/v1/messages": {"post": {
+                "operationId": "createMessage",
+                "summary": "Anthropic Messages API, stream false or true, any provider behind it",
+                "tags": ["anthropic"],
+                "requestBody": {"required": True, "content": {JSON: {"schema": _ref("MessagesRequest")}}},
+                "responses": {
+                    "200": {
+                        "description": "a message, or with stream true Anthropic's named SSE events",
+                        "content": {JSON: {"schema": _ref("AnthropicMessage")},
+                                    "text/event-stream": {"schema": _ref("AnthropicEvent")}},
+                    },
+                    **_ANTHROPIC_ERRORS,
+                },
+            }},
+            "/v1/messages/count_tokens": {"post": {
+                "operationId": "countMessageTokens",
+                "summary": "Input tokens of a Messages request, without generating",
+                "tags": ["anthropic"],
+                "requestBody": {"required": True, "content": {JSON: {"schema": _ref("CountTokensRequest")}}},
+                "responses": {
+                    "200": _json_body({"type": "object", "required": ["input_tokens"],
+                                       "properties": {"input_tokens": {"type": "integer", "minimum": 0}}},
+                                      "the Anthropic deployment's own count, or the gateway's estimate"),
+                    **_ANTHROPIC_ERRORS,
+                },
+            }},
             "/v1/models": {"get": {
                 "operationId": "listModels", "summary": "The model names this key may use", "tags": ["openai"],
                 "responses": {"200": _json_body(_ref("ModelList"), "OpenAI list of models"), "401": _KEY_ERRORS["401"]},
@@ -627,7 +737,9 @@ def data_plane_document() -> dict[str, Any]:
             "schemas": {
                 "Error": _ERROR_SCHEMA, "Health": _HEALTH, "Ready": _READY,
                 "ChatCompletionRequest": _CHAT_REQUEST, "ChatCompletionEvent": _CHAT_EVENT, "EmbeddingRequest": _EMBEDDINGS_REQUEST,
-                "ModelList": _MODEL_LIST,
+                "ModelList": _MODEL_LIST, "MessagesRequest": _MESSAGES_REQUEST,
+                "CountTokensRequest": _COUNT_TOKENS_REQUEST, "AnthropicMessage": _ANTHROPIC_MESSAGE,
+                "AnthropicEvent": _ANTHROPIC_EVENT, "AnthropicError": _ANTHROPIC_ERROR,
             },
         },
     }

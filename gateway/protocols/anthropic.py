@@ -57,6 +57,7 @@ __all__ = [
     "STOP_REASONS",
     "anthropic_error_body",
     "anthropic_error_type",
+    "anthropic_status",
     "anthropic_usage",
     "chat_tool_call",
     "chat_usage",
@@ -112,6 +113,11 @@ _ERROR_TYPES = {
     500: "api_error",
     529: "overloaded_error",
 }
+
+
+def anthropic_status(status: int) -> int:
+    """The status Anthropic answers where another API says 503: 529, its overload."""
+    return 529 if status == 503 else status
 
 
 def anthropic_error_type(status: int) -> str:
@@ -487,7 +493,8 @@ def countable_text(body: Mapping[str, Any]) -> tuple[str, int]:
         pieces.append(system)
     elif isinstance(system, list):
         pieces += [b["text"] for b in system if isinstance(b, dict) and isinstance(b.get("text"), str)]
-    messages = body.get("messages") if isinstance(body.get("messages"), list) else []
+    listed = body.get("messages")
+    messages: list[Any] = listed if isinstance(listed, list) else []
     for message in messages:
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, str):
@@ -601,7 +608,8 @@ def from_chat_completion(answer: Mapping[str, Any], *, model: str) -> dict[str, 
     """The Messages ``message`` for a whole ``chat.completion`` (its first choice)."""
     choices = answer.get("choices")
     choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
-    reply = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    given = choice.get("message")
+    reply: dict[str, Any] = given if isinstance(given, dict) else {}
     content: list[dict[str, Any]] = []
     text = reply.get("content")
     if isinstance(text, str) and text:
@@ -648,4 +656,5 @@ def to_anthropic_error(status: int, raw: bytes) -> bytes:
     """An OpenAI-shaped provider error in Anthropic's shape (the status is kept by the
     caller); the type follows the status, as the Anthropic SDKs read it."""
     message, _ = _error_fields(raw)
-    return anthropic_error_body(message or f"upstream answered HTTP {status}", anthropic_error_type(status))
+    return anthropic_error_body(message or f"upstream answered HTTP {status}",
+                                anthropic_error_type(anthropic_status(status)))

@@ -177,7 +177,7 @@ class EventsFromChunks:
 
     def _start(self, chunk: Mapping[str, Any]) -> bytes:
         self._started = True
-        message = {
+        message: dict[str, Any] = {
             "id": str(chunk.get("id") or ""), "type": "message", "role": "assistant",
             "model": str(chunk.get("model") or self._model), "content": [], "stop_reason": None,
             "stop_sequence": None, "usage": {"input_tokens": self._input_tokens, "output_tokens": 0},
@@ -209,7 +209,8 @@ class EventsFromChunks:
         choice = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
         if choice is None:
             return out
-        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        given = choice.get("delta")
+        delta: dict[str, Any] = given if isinstance(given, dict) else {}
         text = delta.get("content")
         if isinstance(text, str) and text:
             if self._kind != "text":
@@ -220,7 +221,8 @@ class EventsFromChunks:
             if not isinstance(call, dict):
                 continue
             position = call.get("index", 0)
-            function = call.get("function") if isinstance(call.get("function"), dict) else {}
+            named = call.get("function")
+            function: dict[str, Any] = named if isinstance(named, dict) else {}
             block = self._tools.get(position)
             if block is None:
                 out += self._open("tool_use", {"type": "tool_use", "id": str(call.get("id") or ""),
@@ -280,7 +282,8 @@ class NativeStreamTap:
             self.first_event_at = time.monotonic()
         self.chunks += 1
         if kind == "message_start":
-            message = obj.get("message") if isinstance(obj.get("message"), dict) else {}
+            given = obj.get("message")
+            message: dict[str, Any] = given if isinstance(given, dict) else {}
             self.response_id = message.get("id")
             self.model = message.get("model")
             self._usage.update(message.get("usage") or {})
@@ -292,7 +295,8 @@ class NativeStreamTap:
         elif kind == "message_stop":
             self.done = True
         elif kind == "error":
-            error = obj.get("error") if isinstance(obj.get("error"), dict) else {}
+            given = obj.get("error")
+            error: dict[str, Any] = given if isinstance(given, dict) else {}
             self.error = f"{error.get('type', 'error')}: {error.get('message', '')}"
 
     def usage(self) -> Usage | None:

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
