@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from decimal import Decimal
 from typing import Any
 
 import anthropic
@@ -313,6 +314,38 @@ async def test_rate_limits_are_429_rate_limit_error_with_retry_after(gw: Gateway
     assert int(limited.value.response.headers["retry-after"]) >= 1
     with pytest.raises(anthropic.RateLimitError):  # count_tokens counts against the same window
         await sdk(gw, key).messages.count_tokens(model="gpt", messages=ask["messages"])
+
+
+async def test_concurrency_and_budget_limits_hold_on_this_route(
+    gw: Gateway, claude: FakeUpstream, key_factory: Any
+) -> None:
+    key, _ = await key_factory(max_concurrent=1)
+    await claude.script({"chunk_delay_ms": 300})
+    body = {"model": "smart", "max_tokens": 50, "stream": True, "messages": [{"role": "user", "content": "a b c d"}]}
+    first = await gw.data.post("/v1/messages", json=body, headers={"x-api-key": key})
+    assert first.status == 200
+    with pytest.raises(anthropic.RateLimitError):  # the first stream still holds the key's one slot
+        await sdk(gw, key).messages.create(model="gpt", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    await first.read()
+    broke, _ = await key_factory(budget_usd=Decimal("0"), budget_period="total")
+    with pytest.raises(anthropic.APIStatusError) as spent:
+        await sdk(gw, broke).messages.create(model="gpt", max_tokens=5, messages=[{"role": "user", "content": "x"}])
+    assert spent.value.status_code == 402 and spent.value.body["error"]["type"] == "billing_error"  # type: ignore[index]
+
+
+async def test_failover_before_the_first_byte_crosses_protocols(
+    gw: Gateway, oai: FakeUpstream, claude: FakeUpstream, api_key: str
+) -> None:
+    calls = records(gw)
+    await oai.script({"status": 500}, {"status": 500}, {"status": 500})
+    async with sdk(gw, api_key).messages.stream(
+        model="mixed", max_tokens=50, messages=[{"role": "user", "content": "hello there"}],
+    ) as stream:
+        final = await stream.get_final_message()
+    assert final.id.startswith("msg_fake_")  # answered by the Anthropic deployment, natively
+    assert (await last_upstream(claude))["body"]["model"] == "claude-haiku"
+    assert (await oai.stats())["requests"] >= 1
+    assert calls[-1].failovers == 1 and calls[-1].provider == "claude" and calls[-1].protocol == "anthropic"
 
 
 async def test_a_bearer_token_is_a_key_too(gw: Gateway, api_key: str) -> None:
