@@ -33,7 +33,7 @@ LEDGER_COLUMNS = (
     "served_model", "provider", "deployment", "prompt_tokens", "completion_tokens",
     "usage_estimated", "cost_usd", "cost_diem", "cost_source", "latency_seconds",
     "ttft_seconds", "status", "outcome", "streamed", "retries", "failovers", "error_type",
-    "finish_reason", "created_at",
+    "finish_reason", "created_at", "protocol",
 )
 
 _COLUMN_LIST = ", ".join(LEDGER_COLUMNS)
@@ -83,6 +83,8 @@ class UsageEvent:
     finish_reason: str | None
     #: When the call started, Unix seconds.
     created_at: float
+    #: The protocol the client spoke (chat | anthropic).
+    protocol: str = "chat"
 
     @classmethod
     def from_call(cls, call: CallRecord) -> UsageEvent:
@@ -114,6 +116,7 @@ class UsageEvent:
             error_type=_short(call.error_type),
             finish_reason=_short(call.finish_reasons[-1]) if call.finish_reasons else None,
             created_at=call.started_at,
+            protocol=call.protocol,
         )
 
     def to_line(self) -> bytes:
@@ -146,6 +149,7 @@ class UsageEvent:
                 "error_type": self.error_type,
                 "finish_reason": self.finish_reason,
                 "created_at": datetime.fromtimestamp(self.created_at, timezone.utc),
+                "protocol": self.protocol,
             },
             option=orjson.OPT_APPEND_NEWLINE,
         )

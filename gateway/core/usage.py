@@ -215,6 +215,8 @@ class CallRecord:
     cache: str | None = None
     #: Cosine similarity of a semantic hit (None for exact hits and everything else).
     cache_similarity: float | None = None
+    #: The protocol the client spoke: chat (``/v1/chat/completions``) | anthropic (``/v1/messages``).
+    protocol: str = "chat"
 
 
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})

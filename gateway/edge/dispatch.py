@@ -25,6 +25,10 @@ neutral. A failed attempt that is sent again to the same deployment is marked
 on the deployment, so one unlucky call cannot open a circuit. A stream is watched to its
 end, so a stream cut mid-way counts as a failure.
 
+A call may carry the request as its client sent it (:class:`NativeCall`): a target whose
+provider speaks that protocol natively (``speaks_messages``) gets it, with only the model
+name changed, and its reply comes back in that wire; every other target gets the chat body.
+
 Embeddings (:func:`embed`) go the same way as a whole chat call, over the targets whose
 provider serves embeddings (others are passed over, not counted as failures).
 """
@@ -34,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -44,6 +49,7 @@ from gateway.core.errors import CircuitOpen, GatewayError, ModelNotFound, Upstre
 from gateway.core.usage import CallRecord
 from gateway.edge import telemetry
 from gateway.http.state import GatewayState
+from gateway.protocols.anthropic_stream import is_message_stop
 from gateway.protocols.sse import event_data
 from gateway.providers.base import (
     Provider,
@@ -56,10 +62,25 @@ from gateway.providers.base import (
 from gateway.relay.retry import RETRYABLE_STATUSES, is_failure_status, may_resend
 from gateway.relay.routing import Route, Target
 
-__all__ = ["dispatch", "embed", "timeouts_for"]
+__all__ = ["NativeCall", "dispatch", "embed", "timeouts_for"]
 
 #: Added to a probe's timeouts for its lease, so a slow probe is not taken for a lost one.
 _PROBE_LEASE_MARGIN = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class NativeCall:
+    """An Anthropic Messages request as its client sent it, for deployments that speak it."""
+
+    body: dict[str, Any]
+    #: Client headers the native API reads (``anthropic-version``, ``anthropic-beta``).
+    headers: Mapping[str, str] = field(default_factory=dict)
+    #: Why the request has no chat translation (e.g. a document block): only targets
+    #: speaking it natively may take it; with none, this is the answer.
+    chat_error: GatewayError | None = None
+
+    def for_model(self, model: str) -> dict[str, Any]:
+        return self.body if self.body.get("model") == model else {**self.body, "model": model}
 
 
 def timeouts_for(group: ModelGroup, provider: Provider) -> Timeouts:
@@ -82,6 +103,7 @@ async def dispatch(
     *,
     stream: bool,
     headers: Mapping[str, str] | None = None,
+    native: NativeCall | None = None,
 ) -> tuple[Target, UpstreamReply]:
     """The first good reply among the route's targets, then its fallbacks'.
 
@@ -90,7 +112,7 @@ async def dispatch(
     ``record`` gets provider, deployment, retries, failovers and fallback_model, and
     the time spent waiting on providers. ``headers`` default to the call's trace context.
     """
-    call = _Call(state, body, record, stream, record.trace_headers if headers is None else headers)
+    call = _Call(state, body, record, stream, record.trace_headers if headers is None else headers, native=native)
     return await _run(call, state, route, record)
 
 
@@ -132,14 +154,16 @@ class _Call:
 
     __slots__ = (
         "attempted", "body", "breaker", "capable", "embeddings", "headers", "last_error", "last_reply",
-        "last_target", "record", "state", "stream", "wait",
+        "last_target", "native", "record", "state", "stream", "wait",
     )
 
     def __init__(
         self, state: GatewayState, body: dict[str, Any], record: CallRecord, stream: bool,
-        headers: Mapping[str, str], *, embeddings: bool = False,
+        headers: Mapping[str, str], *, embeddings: bool = False, native: NativeCall | None = None,
     ) -> None:
         self.state = state
+        #: The client's own request, for targets speaking its protocol natively.
+        self.native = native
         #: An embeddings call: only targets whose provider serves embeddings are tried.
         self.embeddings = embeddings
         #: Targets that could take this call (open circuits included).
@@ -163,6 +187,9 @@ class _Call:
                 # e.g. an Anthropic deployment in the group: passed over, not a failure.
                 providers = self.state.providers
                 ordered = [t for t in ordered if providers[t.provider].serves_embeddings]
+            elif self.native is not None and self.native.chat_error is not None:
+                providers = self.state.providers
+                ordered = [t for t in ordered if providers[t.provider].speaks_messages]
             for index, target in enumerate(ordered):
                 key = (target.deployment.id, target.upstream_model)
                 if key in seen:
@@ -182,6 +209,8 @@ class _Call:
         record = self.record
         if self.embeddings and self.capable == 0:
             raise ModelNotFound(f"no deployment of model {record.requested_model!r} serves embeddings")
+        if self.native is not None and self.native.chat_error is not None and self.capable == 0:
+            raise self.native.chat_error
         if self.attempted == 0:
             raise CircuitOpen(
                 f"no healthy deployment for model {record.requested_model!r}", retry_after=self.wait or 1.0
@@ -230,6 +259,11 @@ class _Call:
             try:
                 if self.embeddings:
                     reply = await provider.embeddings(body, headers=self.headers, timeouts=timeouts)
+                elif self.native is not None and provider.speaks_messages:
+                    reply = await provider.messages(
+                        self.native.for_model(target.upstream_model), stream=self.stream,
+                        headers={**self.headers, **self.native.headers}, timeouts=timeouts,
+                    )
                 else:
                     reply = await provider.chat(body, stream=self.stream, headers=self.headers, timeouts=timeouts)
                 first = await _first_event(reply) if self.stream and reply.ok and reply.events is not None else None
@@ -317,6 +351,11 @@ async def _first_event(reply: UpstreamReply) -> bytes:
     return first
 
 
+def _is_done(event: bytes) -> bool:
+    """The chat stream's end marker."""
+    return event_data(event) == b"[DONE]"
+
+
 def _watch(reply: UpstreamReply, first: bytes, deployment: str, breaker: BreakerHandle) -> None:
     """Relay ``first`` then the rest; a stream cut or broken mid-way is a failure.
 
@@ -324,13 +363,14 @@ def _watch(reply: UpstreamReply, first: bytes, deployment: str, breaker: Breaker
     """
     inner = reply.events
     assert inner is not None
+    ends = _is_done if reply.wire == "chat" else is_message_stop
 
     async def events() -> AsyncIterator[bytes]:
-        done = event_data(first) == b"[DONE]"
+        done = ends(first)
         try:
             yield first
             async for event in inner:
-                if not done and event_data(event) == b"[DONE]":
+                if not done and ends(event):
                     done = True
                 yield event
         except ProviderError:

@@ -24,16 +24,22 @@ from aiohttp import web
 from gateway.admin.cache import KEY_PATTERN, MAX_GROUP_LEN
 from gateway.admin.input import BODIES, QUERIES
 from gateway.edge.openapi_shapes import (
+    ANTHROPIC_ERROR,
+    ANTHROPIC_ERRORS,
+    ANTHROPIC_EVENT,
+    ANTHROPIC_MESSAGE,
     AUDIT_ENTRY,
     CACHE_PURGED,
     CACHE_STATS,
     CHAT_EVENT,
     CHAT_REQUEST,
+    COUNT_TOKENS_REQUEST,
     EMBEDDINGS_REQUEST,
     ERROR_SCHEMA,
     HEALTH,
     JSON,
     KEY,
+    MESSAGES_REQUEST,
     MODEL_LIST,
     NEW_KEY,
     PROVIDERS,
@@ -263,12 +269,13 @@ _PROVIDER_ANSWER = {
 }
 
 def data_plane_document() -> dict[str, Any]:
-    """The data plane: health, readiness, chat completions, models, embeddings."""
+    """The data plane: health, readiness, chat completions, Anthropic messages, models, embeddings."""
     return {
         "openapi": OPENAPI_VERSION,
         "info": {
             "title": "llm-gateway data plane", "version": API_VERSION,
-            "description": "OpenAI-compatible. A key is sent as Authorization: Bearer KEY or x-api-key: KEY.",
+            "description": "OpenAI-compatible, and Anthropic's Messages API at /v1/messages. "
+                           "A key is sent as Authorization: Bearer KEY or x-api-key: KEY.",
         },
         "security": [{"bearerKey": []}, {"headerKey": []}],
         "paths": {
@@ -294,6 +301,32 @@ def data_plane_document() -> dict[str, Any]:
                     **_KEY_ERRORS, **_UPSTREAM_ERRORS, **_PROVIDER_ANSWER,
                 },
             }},
+            "/v1/messages": {"post": {
+                "operationId": "createMessage",
+                "summary": "Anthropic Messages API, stream false or true, any provider behind it",
+                "tags": ["anthropic"],
+                "requestBody": {"required": True, "content": {JSON: {"schema": ref("MessagesRequest")}}},
+                "responses": {
+                    "200": {
+                        "description": "a message, or with stream true Anthropic's named SSE events",
+                        "content": {JSON: {"schema": ref("AnthropicMessage")},
+                                    "text/event-stream": {"schema": ref("AnthropicEvent")}},
+                    },
+                    **ANTHROPIC_ERRORS,
+                },
+            }},
+            "/v1/messages/count_tokens": {"post": {
+                "operationId": "countMessageTokens",
+                "summary": "Input tokens of a Messages request, without generating",
+                "tags": ["anthropic"],
+                "requestBody": {"required": True, "content": {JSON: {"schema": ref("CountTokensRequest")}}},
+                "responses": {
+                    "200": json_body({"type": "object", "required": ["input_tokens"],
+                                       "properties": {"input_tokens": {"type": "integer", "minimum": 0}}},
+                                      "the Anthropic deployment's own count, or the gateway's estimate"),
+                    **ANTHROPIC_ERRORS,
+                },
+            }},
             "/v1/models": {"get": {
                 "operationId": "listModels", "summary": "The model names this key may use", "tags": ["openai"],
                 "responses": {"200": json_body(ref("ModelList"), "OpenAI list of models"), "401": _KEY_ERRORS["401"]},
@@ -317,7 +350,9 @@ def data_plane_document() -> dict[str, Any]:
             "schemas": {
                 "Error": ERROR_SCHEMA, "Health": HEALTH, "Ready": READY,
                 "ChatCompletionRequest": CHAT_REQUEST, "ChatCompletionEvent": CHAT_EVENT, "EmbeddingRequest": EMBEDDINGS_REQUEST,
-                "ModelList": MODEL_LIST,
+                "ModelList": MODEL_LIST, "MessagesRequest": MESSAGES_REQUEST,
+                "CountTokensRequest": COUNT_TOKENS_REQUEST, "AnthropicMessage": ANTHROPIC_MESSAGE,
+                "AnthropicEvent": ANTHROPIC_EVENT, "AnthropicError": ANTHROPIC_ERROR,
             },
         },
     }

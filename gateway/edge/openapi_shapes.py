@@ -347,3 +347,86 @@ def query_parameters(model: Any) -> list[dict[str, Any]]:
         schema = {**branches[0], **prop} if branches else prop
         params.append({"name": name, "in": "query", "required": False, "schema": schema, "description": description})
     return params
+
+
+# -- Anthropic's Messages API (/v1/messages): its own request, answer and error shapes --------
+def anthropic_error(description: str) -> dict[str, Any]:
+    return json_body(ref("AnthropicError"), description)
+
+
+ANTHROPIC_ERROR = {
+    "type": "object", "required": ["type", "error"],
+    "properties": {
+        "type": {"const": "error"},
+        "error": {"type": "object", "required": ["type", "message"],
+                  "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
+    },
+}
+TEXT_BLOCK = {"type": "object", "required": ["type", "text"],
+               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+ANTHROPIC_MESSAGES = {"type": "array", "minItems": 1, "items": {
+    "type": "object", "required": ["role", "content"],
+    "properties": {
+        "role": {"enum": ["user", "assistant"]},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}]},
+    },
+}}
+ANTHROPIC_SYSTEM = {"anyOf": [{"type": "string"}, {"type": "array", "items": TEXT_BLOCK}]}
+MESSAGES_REQUEST = {
+    "type": "object", "required": ["model", "max_tokens", "messages"],
+    "description": "Anthropic Messages API (image, tool_use and tool_result blocks, tools, tool_choice, "
+                   "stop_sequences, temperature, top_p, top_k, metadata are accepted too; see docs/protocols.md)",
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "pattern": r"\S"},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "messages": ANTHROPIC_MESSAGES,
+        "system": ANTHROPIC_SYSTEM,
+        "stream": {"type": "boolean"},
+    },
+}
+COUNT_TOKENS_REQUEST = {
+    "type": "object", "required": ["model", "messages"],
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "pattern": r"\S"},
+        "messages": ANTHROPIC_MESSAGES,
+        "system": ANTHROPIC_SYSTEM,
+    },
+}
+ANTHROPIC_MESSAGE = {
+    "type": "object", "required": ["id", "type", "role", "content", "model", "stop_reason", "usage"],
+    "properties": {
+        "id": {"type": "string"}, "type": {"const": "message"}, "role": {"const": "assistant"},
+        "content": {"type": "array", "items": {"type": "object", "required": ["type"]}},
+        "model": {"type": "string"}, "stop_reason": {"type": ["string", "null"]},
+        "usage": {"type": "object", "required": ["input_tokens", "output_tokens"]},
+    },
+}
+ANTHROPIC_EVENT = {
+    "type": "object", "required": ["event", "data"],
+    "properties": {
+        "event": {"enum": ["message_start", "content_block_start", "content_block_delta", "content_block_stop",
+                           "message_delta", "message_stop", "ping", "error"]},
+        "data": {
+            "type": "string",
+            "description": "the event's object as JSON, its type the event's name; a failure after the first "
+                           "byte is one event: error ({\"type\": \"error\", \"error\": {...}})",
+        },
+        "id": {"type": "string"},
+    },
+}
+ANTHROPIC_ERRORS = {
+    "400": anthropic_error("malformed body (invalid_request_error)"),
+    "401": anthropic_error("missing, malformed, unknown, revoked or expired key (authentication_error)"),
+    "402": anthropic_error("the key's or subject's budget is spent (billing_error)"),
+    "403": anthropic_error("model outside the key's allowlist (permission_error)"),
+    "404": anthropic_error("no route for the model (not_found_error)"),
+    "413": anthropic_error("body over REQUEST_BODY_LIMIT_BYTES (request_too_large)"),
+    "429": anthropic_error("a rate limit is hit (rate_limit_error); Retry-After"),
+    "502": anthropic_error("transport failure after retries (api_error)"),
+    "504": anthropic_error("the provider took longer than its timeout (api_error)"),
+    "529": anthropic_error("no healthy deployment, or overloaded (overloaded_error); Retry-After"),
+    "default": {
+        "description": "an HTTP error answered by the provider itself, with its status, in Anthropic's shape",
+        "content": {JSON: {"schema": {}}},
+    },
+}

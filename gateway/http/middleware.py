@@ -22,7 +22,7 @@ from gateway.core.errors import (
     Overloaded,
     RequestTooLarge,
 )
-from gateway.http.errors import error_body, error_response
+from gateway.http.errors import error_body_in, error_response, error_shape_for
 from gateway.http.state import STATE
 
 __all__ = ["REQUEST_ID", "error_middleware", "request_id_of", "security_headers"]
@@ -70,25 +70,25 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except GatewayError as exc:
-        return error_response(exc)
+        return error_response(exc, error_shape_for(request.path))
     except Unauthenticated as exc:
         # Counted by reason; the client's 401 is the same whatever the reason.
         state = request.app.get(STATE)
         if state is not None:
             state.metrics.auth_failed(exc.reason)
-        return error_response(AuthenticationFailed())
+        return error_response(AuthenticationFailed(), error_shape_for(request.path))
     except ActorError as exc:
         log.warning("shed request %s: %s", request_id_of(request), exc)
-        return error_response(Overloaded(retry_after=1))
+        return error_response(Overloaded(retry_after=1), error_shape_for(request.path))
     except web.HTTPRequestEntityTooLarge:
-        return error_response(RequestTooLarge())
+        return error_response(RequestTooLarge(), error_shape_for(request.path))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         type_, code = _HTTP_CODES.get(exc.status, ("invalid_request_error", None))
         return web.Response(
             status=exc.status,
-            body=error_body(exc.reason, type_, code),
+            body=error_body_in(error_shape_for(request.path), exc.status, exc.reason, type_, code),
             content_type="application/json",
             headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
         )
@@ -97,7 +97,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         log.exception("unhandled error in request %s", request_id_of(request))
         return web.Response(
             status=500,
-            body=error_body("internal error", "server_error", "internal_error"),
+            body=error_body_in(error_shape_for(request.path), 500, "internal error", "server_error", "internal_error"),
             content_type="application/json",
         )
 

@@ -129,6 +129,9 @@ class UpstreamReply:
     events: AsyncIterator[bytes] | None = None
     #: The upstream response id and model, when known before the body is read.
     extra: dict[str, Any] = field(default_factory=dict)
+    #: The protocol of ``body`` / ``events``: "chat" (the internal shape, what
+    #: :meth:`Provider.chat` answers) or "anthropic" (:meth:`Provider.messages`, as sent).
+    wire: str = "chat"
     _release: Callable[[], Awaitable[None] | None] | None = None
 
     @property
@@ -163,6 +166,9 @@ class Provider:
     serves_embeddings: bool = False
     #: The header this wire sends the key in, and how the value is written.
     key_header: tuple[str, str] = ("Authorization", "Bearer {}")
+    #: Whether :meth:`messages` and :meth:`count_tokens` speak Anthropic's Messages API
+    #: natively (a ``/v1/messages`` call then passes through instead of being translated).
+    speaks_messages: bool = False
 
     def __init__(self, config: ProviderConfig, *, request_timeout: float) -> None:
         self.config = config
@@ -189,6 +195,23 @@ class Provider:
         ``timeouts`` are the route group's (default: the provider's own).
         """
         raise NotImplementedError
+
+    async def messages(
+        self,
+        body: dict[str, Any],
+        *,
+        stream: bool,
+        headers: Mapping[str, str],
+        timeouts: Timeouts | None = None,
+    ) -> UpstreamReply:
+        """Send an Anthropic Messages body unchanged (only where :attr:`speaks_messages`)."""
+        raise UpstreamProtocolError(f"provider {self.name} does not speak the Messages API")
+
+    async def count_tokens(
+        self, body: dict[str, Any], *, headers: Mapping[str, str], timeouts: Timeouts | None = None
+    ) -> UpstreamReply:
+        """Anthropic's own token count of a Messages body (only where :attr:`speaks_messages`)."""
+        raise UpstreamProtocolError(f"provider {self.name} does not count tokens")
 
     async def list_models(self) -> list[str]:
         """Upstream model ids, for ``/v1/models`` under wildcard routes; [] if unknown."""

@@ -54,6 +54,9 @@ __all__ = [
     "include_usage",
     "models_list",
     "openai_error",
+    "openai_tool_call",
+    "openai_tool_chunks",
+    "openai_tool_completion",
     "prompt_tokens",
     "stream_chunks",
     "usage",
@@ -236,3 +239,80 @@ def _anthropic_tool_stream(body: Mapping[str, Any], message_id: str, tool_use: M
 def anthropic_error(message: str, error_type: str) -> dict[str, Any]:
     """Return an Anthropic error body ``{"type": "error", "error": {...}}``."""
     return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+# --------------------------------------------------------------------------- OpenAI tool calls
+def openai_tool_call(body: Mapping[str, Any], *, call_id: str) -> dict[str, Any] | None:
+    """Return the ``tool_calls`` entry the fake's OpenAI wire answers with, or ``None``.
+
+    The OpenAI twin of :func:`anthropic_tool_use`: when ``tools`` are offered (and
+    ``tool_choice`` is not ``"none"``) and no ``tool`` result came since the last assistant turn,
+    the fake calls the first tool (or the one ``tool_choice`` names) with the same
+    fixed, nested, non-ASCII input.
+    """
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools or not isinstance(tools[0], dict):
+        return None
+    choice = body.get("tool_choice")
+    if choice == "none":
+        return None
+    messages = _messages(body)
+    for message in reversed(messages):  # a tool's result since the last assistant turn: answer it
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "tool":
+            return None
+        if role == "assistant":
+            break
+    given = tools[0].get("function")
+    function: dict[str, Any] = given if isinstance(given, dict) else {}
+    name = function.get("name")
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name", name)
+    user = next((m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "user"), None)
+    as_anthropic = {"tools": [{"name": name}], "messages": [user] if user is not None else []}
+    tool_use = anthropic_tool_use(as_anthropic, message_id=call_id)
+    assert tool_use is not None
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": orjson.dumps(tool_use["input"]).decode()}}
+
+
+def openai_tool_completion(body: Mapping[str, Any], call: Mapping[str, Any], *, response_id: str,
+                           created: int) -> dict[str, Any]:
+    """The ``chat.completion`` that calls ``call`` (no text), finish reason ``tool_calls``."""
+    n_completion = count_tokens(call["function"]["arguments"])
+    return {
+        "id": response_id, "object": "chat.completion", "created": created, "model": _model(body),
+        "choices": [{"index": 0, "logprobs": None, "finish_reason": "tool_calls",
+                     "message": {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}}],
+        "usage": usage(prompt_tokens(_messages(body)), n_completion),
+    }
+
+
+def openai_tool_chunks(body: Mapping[str, Any], call: Mapping[str, Any], *, response_id: str,
+                       created: int) -> list[dict[str, Any]]:
+    """The chunks streaming ``call``: name first, its arguments in three pieces, the
+    finish reason, and the usage chunk when asked (as OpenAI streams tool calls)."""
+    arguments = call["function"]["arguments"]
+    third = max(1, len(arguments) // 3)
+    with_usage = include_usage(body)
+
+    def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+        obj: dict[str, Any] = {"id": response_id, "object": "chat.completion.chunk", "created": created,
+                               "model": _model(body),
+                               "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                            "finish_reason": finish_reason}]}
+        if with_usage:
+            obj["usage"] = None
+        return obj
+
+    chunks = [chunk({"role": "assistant", "content": None, "tool_calls": [
+        {"index": 0, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"],
+                                                                        "arguments": ""}}]})]
+    chunks += [chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+               for piece in (arguments[:third], arguments[third:2 * third], arguments[2 * third:])]
+    chunks.append(chunk({}, "tool_calls"))
+    if with_usage:
+        final = openai_tool_completion(body, call, response_id=response_id, created=created)
+        chunks.append({"id": response_id, "object": "chat.completion.chunk", "created": created,
+                       "model": _model(body), "choices": [], "usage": final["usage"]})
+    return chunks

@@ -6,8 +6,9 @@ Tests and the benchmark run it on 127.0.0.1 in place of a real provider::
         [--latency-ms N] [--chunks N] [--chunk-delay-ms N] [--cost] \
         [--require-key KEY] [--uvloop]
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``POST /v1/messages``
-and ``GET /v1/models``.  Failures are scripted through ``POST /_fake/script``
+Routes: ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``POST /v1/messages``,
+``POST /v1/messages/count_tokens`` and ``GET /v1/models``. Offered ``tools``, both
+wires answer with a tool call (until the last turn is the tool's result).  Failures are scripted through ``POST /_fake/script``
 (``{"steps": [step, ...]}``, a FIFO popped by each chat or messages request;
 ``DELETE`` clears it); ``GET /_fake/stats`` reports what was received and
 ``POST /_fake/reset`` zeroes stats and script.  A step may hold ``status``
@@ -40,6 +41,7 @@ from multidict import CIMultiDictProxy
 from gateway.testing.fake_llm import (
     DONE_EVENT,
     anthropic_error,
+    anthropic_input_tokens,
     anthropic_message,
     anthropic_stream_events,
     completion,
@@ -48,6 +50,9 @@ from gateway.testing.fake_llm import (
     encode_event,
     models_list,
     openai_error,
+    openai_tool_call,
+    openai_tool_chunks,
+    openai_tool_completion,
     stream_chunks,
 )
 
@@ -392,7 +397,10 @@ async def _answer(request: web.Request, wire: _Wire) -> web.StreamResponse:
         return _garbage_response(wire, str(garbage), body, stream, state, step.get("line_bytes"))
     n = next(state.ids)
     chunks = step.get("chunks", config.chunks)
+    call = None if wire.anthropic else openai_tool_call(body, call_id=f"call_fake_{n}")
     if not stream:
+        if call is not None:
+            return _json(openai_tool_completion(body, call, response_id=f"chatcmpl-fake-{n}", created=int(time.time())))
         if wire.anthropic:
             return _json(anthropic_message(body, message_id=f"msg_fake_{n}"))
         return _json(
@@ -401,6 +409,10 @@ async def _answer(request: web.Request, wire: _Wire) -> web.StreamResponse:
     if wire.anthropic:
         events = anthropic_stream_events(body, message_id=f"msg_fake_{n}", n_chunks=chunks)
         tail = b""
+    elif call is not None:
+        events = [encode_event(chunk) for chunk in openai_tool_chunks(
+            body, call, response_id=f"chatcmpl-fake-{n}", created=int(time.time()))]
+        tail = DONE_EVENT
     else:
         events = [
             encode_event(chunk)
@@ -429,6 +441,23 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 async def _messages(request: web.Request) -> web.StreamResponse:
     """``POST /v1/messages`` (Anthropic wire)."""
     return await _answer(request, _ANTHROPIC)
+
+
+async def _count_tokens(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/messages/count_tokens`` (Anthropic wire): the fake's own input count.
+
+    Pops the script; of a step it honours ``status`` (with ``retry_after``)."""
+    state = request.app[STATE_KEY]
+    raw = await state.record(request)
+    if not _ANTHROPIC.authorized(request, state.config.require_key):
+        return _ANTHROPIC.unauthorized()
+    body = _loads(raw)
+    if not isinstance(body, dict):
+        return _ANTHROPIC.error(400, "request body must be a JSON object", "invalid_request_error", None)
+    step = state.next_step()
+    if "status" in step:
+        return _status_response(_ANTHROPIC, step)
+    return _json({"input_tokens": anthropic_input_tokens(body)})
 
 
 async def _embeddings(request: web.Request) -> web.StreamResponse:
@@ -513,6 +542,7 @@ def make_app(config: FakeConfig | None = None) -> web.Application:
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/embeddings", _embeddings)
     app.router.add_post("/v1/messages", _messages)
+    app.router.add_post("/v1/messages/count_tokens", _count_tokens)
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/_fake/script", _script_add)
     app.router.add_delete("/_fake/script", _script_clear)

@@ -1,0 +1,302 @@
+"""One data-plane call, whatever protocol the client speaks: the pipeline every
+generation route shares, with a small :class:`Inbound` adapter per protocol.
+
+auth → per-key limits → body → parse (the adapter: its own validation, and the
+request in the internal chat shape) → route (allowlist) → budget → cache → dispatch
+(breakers, retries, failover) → relay → record. The adapter decides only what differs
+between protocols: how the request is read, how a whole answer and a stream are
+rendered in its shape, and its mid-stream error event. Errors before the first byte are
+raised as :class:`~gateway.core.errors.GatewayError` and rendered by the error
+middleware in the route's own shape (:func:`gateway.http.errors.error_shape_for`).
+
+A deployment that speaks the client's protocol natively gets the request as the client
+sent it (:class:`~gateway.edge.dispatch.NativeCall`), and its answer is relayed as it
+came (``reply.wire`` says which shape a reply is in); every other deployment gets the
+chat shape and its answer is re-framed by the adapter. A whole answer is returned with
+the provider's status; a stream is relayed event by event as it arrives, never buffered
+whole. After the first byte an error is one event in the protocol's shape and the
+stream ends. A client gone cancels the upstream; the record still carries what was
+delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from aiohttp import web
+
+from gateway.billing.pricing import settle_cost
+from gateway.cache.keys import CacheTicket, replay
+from gateway.core.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable
+from gateway.core.tokens import prompt_tokens
+from gateway.core.usage import CallRecord, usage_from_answer
+from gateway.edge import telemetry
+from gateway.edge.dispatch import NativeCall, dispatch
+from gateway.edge.ratelimit import admit
+from gateway.http.admission import ShuttingDown, is_shutdown
+from gateway.http.bodies import bearer_token, read_json_body
+from gateway.http.middleware import request_id_of
+from gateway.http.state import STATE, GatewayState
+from gateway.protocols.anthropic_stream import StreamBroken
+from gateway.providers.base import ProviderError, UpstreamReply, UpstreamTimeoutError
+from gateway.relay.routing import Route, Target
+
+__all__ = ["SSE_HEADERS", "Inbound", "Parsed", "StreamCut", "StreamRelay", "serve"]
+
+log = logging.getLogger("gateway.chat")
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx: do not buffer the relay
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A request as the pipeline needs it, whatever protocol it came in."""
+
+    model: str
+    stream: bool
+    #: The request in the internal (chat completions) shape, for chat deployments.
+    body: dict[str, Any]
+    #: The request as sent, for deployments speaking the protocol natively (None: none do).
+    native: NativeCall | None = None
+    #: The client asked for a stream's usage (chat's ``stream_options.include_usage``).
+    wants_usage: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class StreamCut(Exception):
+    """The stream ended before its end marker, or sent something it must not."""
+
+
+class StreamRelay:
+    """One stream's relay in one protocol: what each upstream event becomes for the
+    client, whether the stream completed, and what the record learns from it."""
+
+    #: The client has been told of the failure already (an upstream error event relayed).
+    told: bool = False
+    #: Why a stream that ended without its end marker failed.
+    unfinished: ClassVar[str] = "upstream closed the stream before its end"
+
+    def feed(self, event: bytes) -> bytes | None:
+        """What to write for one upstream event (None: nothing); raises StreamCut/StreamBroken."""
+        raise NotImplementedError
+
+    @property
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def error_event(self, error: GatewayError) -> bytes:
+        """The one event telling the client why its stream ends."""
+        raise NotImplementedError
+
+    def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
+        """Fill the record from what was relayed (ids, finish reasons, usage, ttft)."""
+        raise NotImplementedError
+
+
+class Inbound:
+    """What one inbound protocol decides; the pipeline does the rest."""
+
+    #: Recorded as the call's ``protocol`` (ledger, logs).
+    name: ClassVar[str] = "chat"
+    #: Whether the response cache serves this protocol.
+    cacheable: ClassVar[bool] = False
+
+    def parse(self, body: dict[str, Any], request: web.Request) -> Parsed:
+        raise NotImplementedError
+
+    def answer(self, reply: UpstreamReply, answer: dict[str, Any] | None, parsed: Parsed) -> web.Response:
+        """A whole answer in the internal shape (``reply.wire == "chat"``), for the client."""
+        raise NotImplementedError
+
+    def native_answer(self, reply: UpstreamReply, record: CallRecord) -> web.Response:
+        """A whole answer in this protocol's own shape, relayed; the record filled from it."""
+        raise NotImplementedError
+
+    def unstreamed(self, reply: UpstreamReply) -> web.Response:
+        """A provider's error (or whole body) where a stream was asked for."""
+        raise NotImplementedError
+
+    def relay(self, reply: UpstreamReply, parsed: Parsed, keep_text: bool, prompt_estimate: int) -> StreamRelay:
+        raise NotImplementedError
+
+
+async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
+    """Handle one generation call in ``protocol``."""
+    state = request.app[STATE]
+    key = await state.auth.authenticate(bearer_token(request))
+    telemetry.key_known(request, key.api_key_id)
+    # Released by the rate-limit middleware on every path; it charges record's usage then.
+    permit = await admit(request, key)
+    parsed = protocol.parse(await read_json_body(request, state.settings.body_limit), request)
+    model, stream, body = parsed.model, parsed.stream, parsed.body
+    route = state.router.resolve(model, key.policy.allowed_models)
+    state.billing.check_budget(key)  # 402 from in-memory counters: no hop, no database trip
+    cache = None if state.cache is None or not protocol.cacheable else state.cache.ticket(
+        route.group.name, model, body, key.api_key_id, key.subject_id, request.headers
+    )
+    record = CallRecord(
+        request_id=request_id_of(request),
+        api_key_id=key.api_key_id,
+        subject_id=key.subject_id,
+        requested_model=model,
+        stream=stream,
+        protocol=protocol.name,
+    )
+    permit.track(record)
+    started = time.monotonic()
+    observed = telemetry.begin_call(request, record, body)
+    try:
+        if cache is not None and (hit := await cache.lookup()) is not None:
+            return await replay(request, hit, cache, body, record, SSE_HEADERS)
+        if stream:
+            return await _stream(request, state, protocol, route, parsed, record, started, cache)
+        return await _whole(state, protocol, route, parsed, record, cache)
+    except asyncio.CancelledError as exc:
+        record.outcome = "cancelled"
+        # 499: the client went away; 503: the shutdown ended it (the admission gate answers so).
+        record.status = record.status or (503 if is_shutdown(exc) else 499)
+        raise
+    except GatewayError as exc:
+        record.status = exc.status
+        record.outcome = record.outcome if record.outcome != "ok" else "upstream_error"
+        record.error_type = exc.error_code
+        raise
+    finally:
+        record.latency = time.monotonic() - started
+        record.cache = None if cache is None else cache.status
+        _finish(state, record)
+        telemetry.end_call(request, observed, record)
+
+
+def _finish(state: GatewayState, record: CallRecord) -> None:
+    settle_cost(record)  # once, so billing, metrics and logs see the same cost
+    for listener in state.call_listeners:
+        try:
+            listener(record)
+        except Exception:  # a listener must never fail the request it observes
+            log.exception("call listener failed for %s", record.request_id)
+
+
+async def _whole(
+    state: GatewayState, protocol: Inbound, route: Route, parsed: Parsed, record: CallRecord,
+    cache: CacheTicket | None,
+) -> web.Response:
+    target, reply = await dispatch(state, route, parsed.body, record, stream=False, native=parsed.native)
+    record.status = reply.status
+    record.served_model = target.upstream_model
+    if not reply.ok:
+        record.outcome = "provider_error"
+    if reply.wire != "chat":
+        return protocol.native_answer(reply, record)
+    answer = _settle_answer(state, reply, record, target)
+    response = protocol.answer(reply, answer, parsed)
+    if cache is not None:
+        if reply.status == 200 and answer is not None:
+            cache.store_answer(reply.body, response.headers["Content-Type"], answer, record)
+        response.headers.update(cache.headers())
+    return response
+
+
+def _settle_answer(state: GatewayState, reply: UpstreamReply, record: CallRecord, target: Target) -> dict[str, Any] | None:
+    """Fill the record from a whole answer in the internal shape; the parsed answer."""
+    usage, answer = usage_from_answer(reply.body)
+    record.usage = usage
+    if answer is not None:
+        record.response_id = answer.get("id")
+        record.served_model = answer.get("model") or target.upstream_model
+        choices = answer.get("choices")
+        if isinstance(choices, list):
+            record.finish_reasons = tuple(
+                c["finish_reason"] for c in choices if isinstance(c, dict) and isinstance(c.get("finish_reason"), str)
+            )
+            if state.settings.capture_genai_content:
+                record.completion = _answer_text(choices)
+    return answer
+
+
+async def _stream(
+    request: web.Request,
+    state: GatewayState,
+    protocol: Inbound,
+    route: Route,
+    parsed: Parsed,
+    record: CallRecord,
+    started: float,
+    cache: CacheTicket | None,
+) -> web.StreamResponse:
+    body = parsed.body
+    if not parsed.wants_usage:
+        # Ask for usage anyway so the ledger is exact; the client never sees it.
+        options = body.get("stream_options")
+        body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
+    target, reply = await dispatch(state, route, body, record, stream=True, native=parsed.native)
+    record.status = reply.status
+    record.served_model = target.upstream_model
+    if reply.events is None:
+        # The provider answered an error (or a whole body) instead of a stream: relay it.
+        if not reply.ok:
+            record.outcome = "provider_error"
+        return protocol.unstreamed(reply)
+    prompt_estimate = prompt_tokens(body.get("messages") or [])
+    relay = protocol.relay(reply, parsed, state.settings.capture_genai_content, prompt_estimate)
+    response = web.StreamResponse(status=200, headers=SSE_HEADERS if cache is None else {
+        **SSE_HEADERS, **cache.headers()})
+    try:
+        await response.prepare(request)
+        async for event in reply.events:
+            if cache is not None:
+                cache.collect(event)  # raw, as the provider sent it: stored once complete
+            out = relay.feed(event)
+            if out:
+                await response.write(out)
+        if not relay.done:
+            raise StreamCut(relay.unfinished)
+    except (ProviderError, StreamCut, StreamBroken) as exc:
+        record.outcome = "cut"
+        # "_StreamCut": the ledger's value for a stream that broke, since before the pipeline.
+        record.error_type = "_StreamCut" if isinstance(exc, StreamCut | StreamBroken) else type(exc).__name__
+        error = UpstreamTimeout("upstream went silent mid-stream") if isinstance(
+            exc, UpstreamTimeoutError
+        ) else UpstreamUnavailable(f"upstream stream failed: {exc}")
+        if not relay.told:
+            try:
+                await response.write(relay.error_event(error))
+            except ConnectionError:
+                pass
+    except ConnectionError:
+        record.outcome = "cancelled"  # the client went away mid-write
+    except asyncio.CancelledError as exc:
+        if not is_shutdown(exc) or not response.prepared:
+            raise  # a client gone, or nothing sent yet (the admission gate answers 503)
+        # The shutdown's grace period is over: the client is still there, tell it why
+        # the stream ends (one error event, no end marker) rather than dropping the socket.
+        asyncio.current_task().uncancel()  # type: ignore[union-attr]
+        record.outcome = "cut"
+        record.error_type = "shutdown"
+        try:
+            await response.write(relay.error_event(ShuttingDown("gateway shutting down: stream cut")))
+        except ConnectionError:
+            pass
+    finally:
+        await reply.release()
+        relay.settle(record, started, prompt_estimate)
+        if cache is not None and relay.done:
+            cache.store_stream(record)
+    return response
+
+
+def _answer_text(choices: list[Any]) -> str | None:
+    """The first choice's message text of a whole answer (for content capture only)."""
+    first = choices[0] if choices else None
+    message = first.get("message") if isinstance(first, dict) else None
+    content = message.get("content") if isinstance(message, dict) else None
+    return content if isinstance(content, str) else None
