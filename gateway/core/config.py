@@ -262,7 +262,7 @@ class ProviderConfig:
     idle_timeout: float | None = None
     max_retries: int | None = None
     #: May a call that timed out after it was sent be sent again (it may have been billed)?
-    retry_on_timeout: bool = True
+    retry_on_timeout: bool = False
     headers: tuple[tuple[str, str], ...] = ()
     #: Where ``api_key`` was read from, if a file: providers re-read it when it changes,
     #: so a rotated key takes effect without a restart (gateway/providers/credentials.py).
@@ -495,7 +495,7 @@ def _provider(name: str, raw: Any, settings: Settings, key_file: Path | None = N
         timeout=s.num("timeout_seconds", None, minimum=0.001),
         idle_timeout=s.num("idle_timeout_seconds", None, minimum=0.001),
         max_retries=s.num("max_retries", None, integer=True),
-        retry_on_timeout=s.flag("retry_on_timeout", True),
+        retry_on_timeout=s.flag("retry_on_timeout", False),
         headers=tuple(headers_raw.items()),
     )
 
