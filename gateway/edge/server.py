@@ -24,6 +24,7 @@ from gateway.core.config import GatewayConfig, Settings
 from gateway.core.db import embedded_database_url
 from gateway.edge.app import DATA_SERVER_OPTIONS, build_data_app, build_management_app, gateway_state
 from gateway.http.admission import ADMISSION, AdmissionGate, raise_open_file_limit
+from gateway.http.parser_errors import ContractAppRunner
 from gateway.observability.logfilters import install_log_filters
 
 __all__ = ["resolve_database_url", "run", "serve"]
@@ -114,7 +115,7 @@ async def _serve_until_stopped(
             else:
                 print(f"development key: {DEV_KEY}", flush=True)
         data_app = build_data_app(state)
-        data_runner = web.AppRunner(
+        data_runner = ContractAppRunner(
             data_app,
             handle_signals=False,
             shutdown_timeout=settings.shutdown_grace,
@@ -124,7 +125,7 @@ async def _serve_until_stopped(
             keepalive_timeout=settings.client_idle_timeout,
             **DATA_SERVER_OPTIONS,  # type: ignore[arg-type]
         )
-        mgmt_runner = web.AppRunner(
+        mgmt_runner = ContractAppRunner(
             build_management_app(state), handle_signals=False, shutdown_timeout=5, access_log=None
         )
         await data_runner.setup()
