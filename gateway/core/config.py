@@ -263,6 +263,9 @@ class ProviderConfig:
     max_retries: int | None = None
     #: May a call that timed out after it was sent be sent again (it may have been billed)?
     retry_on_timeout: bool = False
+    #: Largest whole (non-streaming) answer read from the provider, after decompression;
+    #: past it the call fails with 502 instead of growing memory without bound.
+    max_response_bytes: int = 64 * 1024 * 1024
     headers: tuple[tuple[str, str], ...] = ()
     #: Where ``api_key`` was read from, if a file: providers re-read it when it changes,
     #: so a rotated key takes effect without a restart (gateway/providers/credentials.py).
@@ -462,7 +465,7 @@ def _provider(name: str, raw: Any, settings: Settings, key_file: Path | None = N
         raw,
         f"providers.{name}",
         ("type", "base_url", "api_key", "api_key_file", "connect_timeout_seconds", "timeout_seconds",
-         "idle_timeout_seconds", "max_retries", "retry_on_timeout", "headers"),
+         "idle_timeout_seconds", "max_retries", "retry_on_timeout", "max_response_bytes", "headers"),
     )
     api_key = s.text("api_key")
     explicit_file = s.text("api_key_file")
@@ -496,6 +499,7 @@ def _provider(name: str, raw: Any, settings: Settings, key_file: Path | None = N
         idle_timeout=s.num("idle_timeout_seconds", None, minimum=0.001),
         max_retries=s.num("max_retries", None, integer=True),
         retry_on_timeout=s.flag("retry_on_timeout", False),
+        max_response_bytes=s.num("max_response_bytes", 64 * 1024 * 1024, minimum=1024, integer=True),
         headers=tuple(headers_raw.items()),
     )
 

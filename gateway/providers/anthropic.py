@@ -40,6 +40,7 @@ from gateway.core.config import ProviderConfig
 from gateway.core.errors import InvalidRequest
 from gateway.protocols.sse import event_data, iter_events
 from gateway.providers.base import (
+    IDENTITY_ENCODING,
     Provider,
     Timeouts,
     UpstreamProtocolError,
@@ -47,6 +48,7 @@ from gateway.providers.base import (
     client_timeout,
     fetch_model_ids,
     map_transport_errors,
+    read_whole,
 )
 
 __all__ = [
@@ -99,6 +101,7 @@ class AnthropicProvider(Provider):
         self._headers: dict[str, str] = {
             "Content-Type": "application/json",
             "anthropic-version": ANTHROPIC_VERSION,
+            **IDENTITY_ENCODING,
             **dict(config.headers),
         }
         # x-api-key is added per call by keyed_headers(), so a rotated key file takes effect.
@@ -128,6 +131,7 @@ class AnthropicProvider(Provider):
                 data=payload,
                 headers=send_headers,
                 timeout=client_timeout(timeouts or self.timeouts, stream=stream),
+                auto_decompress=True,
             )
         try:
             content_type = resp.headers.get("Content-Type", "")
@@ -141,8 +145,7 @@ class AnthropicProvider(Provider):
                     events=_translated_events(resp, translator),
                     _release=resp.release,
                 )
-            with map_transport_errors():
-                raw = await resp.read()
+            raw = await read_whole(resp, self.config.max_response_bytes)
         except BaseException:
             resp.close()
             raise

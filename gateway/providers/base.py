@@ -30,10 +30,19 @@ __all__ = [
     "UpstreamProtocolError",
     "UpstreamReply",
     "UpstreamTimeoutError",
+    "IDENTITY_ENCODING",
+    "UpstreamBodyTooLarge",
     "client_timeout",
     "fetch_model_ids",
     "map_transport_errors",
+    "read_whole",
 ]
+
+#: Sent with every provider request. aiohttp offers ``gzip, deflate`` by default, and the
+#: session does not decompress by itself; asking for identity spares the CPU, and each
+#: call still passes ``auto_decompress=True`` so an upstream (or a proxy in front of
+#: it) that compresses anyway is decoded, whole answers and streams alike.
+IDENTITY_ENCODING = {"Accept-Encoding": "identity"}
 
 
 class ProviderError(Exception):
@@ -55,6 +64,10 @@ class UpstreamTimeoutError(ProviderError):
 
 class UpstreamProtocolError(ProviderError):
     """The provider answered something that is not HTTP/JSON/SSE as promised."""
+
+
+class UpstreamBodyTooLarge(UpstreamProtocolError):
+    """A whole answer grew past the provider's ``max_response_bytes``."""
 
 
 def _translated(exc: BaseException) -> ProviderError | None:
@@ -223,6 +236,25 @@ class Provider:
         """Release what the provider holds beyond the shared session."""
 
 
+async def read_whole(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The (decoded) body of ``resp``, refusing past ``limit`` bytes.
+
+    Raises :class:`UpstreamBodyTooLarge` as soon as the declared length or the bytes
+    read so far pass the bound, like the SSE reader's bound on one event, so a provider
+    answering without end costs at most ``limit`` bytes of memory.
+    """
+    declared = resp.content_length
+    if declared is not None and declared > limit and not resp.headers.get("Content-Encoding"):
+        raise UpstreamBodyTooLarge(f"upstream answer of {declared} bytes is over the {limit}-byte limit")
+    body = bytearray()
+    with map_transport_errors():
+        async for chunk in resp.content.iter_chunked(256 * 1024):
+            body += chunk
+            if len(body) > limit:
+                raise UpstreamBodyTooLarge(f"upstream answer is over the {limit}-byte limit")
+    return bytes(body)
+
+
 def client_timeout(timeouts: Timeouts, *, stream: bool) -> aiohttp.ClientTimeout:
     """aiohttp's timeout for one call: a whole answer has a total, a stream an idle bound."""
     if stream:
@@ -233,6 +265,7 @@ def client_timeout(timeouts: Timeouts, *, stream: bool) -> aiohttp.ClientTimeout
 
 #: A model list is a convenience: never wait long for it.
 _LIST_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+_LIST_MAX_BYTES = 8 * 1024 * 1024
 
 
 async def fetch_model_ids(
@@ -243,8 +276,10 @@ async def fetch_model_ids(
     Raises ProviderError when the provider cannot be reached or answers no such list.
     """
     with map_transport_errors():
-        async with session.get(url, headers=headers, timeout=_LIST_TIMEOUT) as resp:
-            payload = await resp.read()
+        async with session.get(
+            url, headers={**headers, **IDENTITY_ENCODING}, timeout=_LIST_TIMEOUT, auto_decompress=True
+        ) as resp:
+            payload = await read_whole(resp, _LIST_MAX_BYTES)
     if resp.status != 200:
         raise UpstreamProtocolError(f"model list answered {resp.status}")
     try:

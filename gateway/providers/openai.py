@@ -16,6 +16,7 @@ import orjson
 from gateway.core.config import ProviderConfig
 from gateway.protocols.sse import iter_events
 from gateway.providers.base import (
+    IDENTITY_ENCODING,
     Provider,
     Timeouts,
     UpstreamProtocolError,
@@ -23,6 +24,7 @@ from gateway.providers.base import (
     client_timeout,
     fetch_model_ids,
     map_transport_errors,
+    read_whole,
 )
 
 __all__ = ["OpenAIProvider"]
@@ -42,7 +44,9 @@ class OpenAIProvider(Provider):
         self._chat_url = f"{config.base_url}/chat/completions"
         self._embeddings_url = f"{config.base_url}/embeddings"
         # The key is added per call by keyed_headers(), so a rotated key file takes effect.
-        self._headers: dict[str, str] = {"Content-Type": "application/json", **dict(config.headers)}
+        self._headers: dict[str, str] = {
+            "Content-Type": "application/json", **IDENTITY_ENCODING, **dict(config.headers)
+        }
         self._whole_timeout = client_timeout(self.timeouts, stream=False)
         self._stream_timeout = client_timeout(self.timeouts, stream=True)
         self._address = urlsplit(config.base_url).hostname
@@ -84,7 +88,9 @@ class OpenAIProvider(Provider):
         else:
             timeout = client_timeout(timeouts, stream=stream)
         with map_transport_errors():
-            resp = await self._session.post(url, data=data, headers=send_headers, timeout=timeout)
+            resp = await self._session.post(
+                url, data=data, headers=send_headers, timeout=timeout, auto_decompress=True
+            )
         try:
             content_type = resp.headers.get("Content-Type", "")
             if stream and resp.status < 300 and content_type.startswith("text/event-stream"):
@@ -94,8 +100,7 @@ class OpenAIProvider(Provider):
                     events=_events(resp),
                     _release=resp.release,
                 )
-            with map_transport_errors():
-                payload = await resp.read()
+            payload = await read_whole(resp, self.config.max_response_bytes)
         except BaseException:
             resp.close()
             raise

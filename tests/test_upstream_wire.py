@@ -1,0 +1,100 @@
+"""What the gateway accepts from a provider's wire: compressed answers, answers too large
+to hold, and what a client may learn when the provider cannot be reached."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from tests.conftest import auth, chat_body, sse_payloads
+from tests.fleet import fleet_config
+
+
+def _one(provider: dict[str, Any], model: str = "m") -> str:
+    return fleet_config({"up": provider}, [{"name": model, "deployments": [{"provider": "up", "model": model}]}])
+
+
+def _contents(raw: bytes) -> str:
+    text = ""
+    for p in sse_payloads(raw):
+        if p != b"[DONE]":
+            for choice in orjson.loads(p).get("choices") or []:
+                text += choice.get("delta", {}).get("content") or ""
+    return text
+
+
+# ----------------------------------------------------------------------------- compression
+async def test_the_gateway_asks_providers_for_uncompressed_answers(
+    gateway_factory: Any, fake_factory: Any, api_key: str
+) -> None:
+    fake = await fake_factory(compress="accepted")
+    gw = await gateway_factory(config_yaml=_one({"type": "openai", "base_url": fake.url}))
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body("one two", model="m"), headers=auth(api_key))
+    assert resp.status == 200, await resp.text()
+    assert (await fake.stats())["last_request"]["headers"].get("accept-encoding") == "identity"
+
+
+async def test_answers_compressed_anyway_are_decoded_whole_and_streamed(
+    gateway_factory: Any, fake_factory: Any, api_key: str
+) -> None:
+    fake = await fake_factory(compress="always")
+    gw = await gateway_factory(config_yaml=_one({"type": "openai", "base_url": fake.url}))
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body("one two", model="m"), headers=auth(api_key))
+    assert resp.status == 200, await resp.text()
+    answer = await resp.json()
+    assert answer["choices"][0]["message"]["content"] == "This is a mock answer to: one two"
+    assert answer["usage"]["total_tokens"] > 0
+    resp = await gw.data.post(
+        "/v1/chat/completions", json=chat_body("one two", model="m", stream=True), headers=auth(api_key)
+    )
+    raw = await resp.read()
+    assert resp.status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw[-300:]
+    assert _contents(raw) == "This is a mock answer to: one two"
+    resp = await gw.data.post("/v1/embeddings", json={"model": "m", "input": "hi"}, headers=auth(api_key))
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["data"][0]["embedding"]
+
+
+async def test_anthropic_answers_compressed_anyway_are_decoded(
+    gateway_factory: Any, fake_factory: Any, api_key: str
+) -> None:
+    fake = await fake_factory(compress="always")
+    gw = await gateway_factory(config_yaml=_one({"type": "anthropic", "base_url": fake.url[:-3], "api_key": "sk-ant"}))
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body("one two", model="m"), headers=auth(api_key))
+    assert resp.status == 200, await resp.text()
+    assert "one two" in (await resp.json())["choices"][0]["message"]["content"]
+    resp = await gw.data.post(
+        "/v1/chat/completions", json=chat_body("one two", model="m", stream=True), headers=auth(api_key)
+    )
+    raw = await resp.read()
+    assert resp.status == 200 and raw.endswith(b"data: [DONE]\n\n"), raw[-300:]
+
+
+# ----------------------------------------------------------------------------- size bound
+async def test_a_whole_answer_over_the_providers_bound_is_a_502(
+    gateway_factory: Any, fake_factory: Any, api_key: str
+) -> None:
+    fake = await fake_factory()
+    provider = {"type": "openai", "base_url": fake.url, "max_response_bytes": 4096, "max_retries": 0}
+    gw = await gateway_factory(config_yaml=_one(provider))
+    small = await gw.data.post("/v1/chat/completions", json=chat_body("short", model="m"), headers=auth(api_key))
+    assert small.status == 200
+    big = await gw.data.post(
+        "/v1/chat/completions", json=chat_body("big", model="m", mock_completion_words=2000), headers=auth(api_key)
+    )
+    assert big.status == 502
+    error = (await big.json())["error"]
+    assert (error["type"], error["code"]) == ("upstream_error", "upstream_unavailable")
+
+
+async def test_the_response_bound_is_validated_at_start(gateway_factory: Any, fake_factory: Any) -> None:
+    from gateway.core.config import ConfigError
+
+    fake = await fake_factory()
+    try:
+        await gateway_factory(config_yaml=_one({"type": "openai", "base_url": fake.url, "max_response_bytes": 10}))
+    except ConfigError as exc:
+        assert "providers.up.max_response_bytes" in str(exc)
+    else:
+        raise AssertionError("a 10-byte bound was accepted")
