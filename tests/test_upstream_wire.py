@@ -3,12 +3,13 @@ to hold, and what a client may learn when the provider cannot be reached."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
 
 from tests.conftest import auth, chat_body, sse_payloads
-from tests.fleet import fleet_config
+from tests.fleet import dead_url, fleet_config, served_by
 
 
 def _one(provider: dict[str, Any], model: str = "m") -> str:
@@ -98,3 +99,56 @@ async def test_the_response_bound_is_validated_at_start(gateway_factory: Any, fa
         assert "providers.up.max_response_bytes" in str(exc)
     else:
         raise AssertionError("a 10-byte bound was accepted")
+
+
+# ----------------------------------------------------------------------------- what a client learns
+async def test_a_client_never_sees_upstream_addresses_but_the_log_does(
+    gateway_factory: Any, api_key: str, caplog: Any
+) -> None:
+    dead = dead_url()
+    host_port = dead.split("//")[1].split("/")[0]
+    gw = await gateway_factory(env={"UPSTREAM_MAX_RETRIES": "0"}, config_yaml=_one({"type": "openai", "base_url": dead}))
+    with caplog.at_level(logging.WARNING, logger="gateway.upstream"):
+        resp = await gw.data.post(
+            "/v1/chat/completions", json=chat_body(model="m"), headers={**auth(api_key), "x-request-id": "req-123"}
+        )
+    assert resp.status == 502
+    error = (await resp.json())["error"]
+    assert (error["type"], error["code"]) == ("upstream_error", "upstream_unavailable")
+    assert host_port not in error["message"] and "127.0.0.1" not in error["message"]
+    assert "connect to host" not in error["message"].lower()
+    assert "req-123" in error["message"]
+    logged = "\n".join(r.getMessage() for r in caplog.records if r.name == "gateway.upstream")
+    assert "req-123" in logged and host_port in logged
+
+
+async def test_a_provider_refusing_our_credential_is_a_502_not_the_clients_401(
+    gateway_factory: Any, fake_factory: Any, api_key: str, caplog: Any
+) -> None:
+    locked = await fake_factory(require_key="sk-right")
+    gw = await gateway_factory(config_yaml=_one({"type": "openai", "base_url": locked.url, "api_key": "sk-wrong"}))
+    with caplog.at_level(logging.ERROR, logger="gateway.upstream"):
+        resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))
+    assert resp.status == 502
+    error = (await resp.json())["error"]
+    assert (error["type"], error["code"]) == ("upstream_error", "upstream_auth_failed")
+    assert any(r.levelno == logging.ERROR and "credential" in r.getMessage() for r in caplog.records)
+    metrics = await (await gw.management.get("/metrics")).text()
+    assert 'gateway_upstream_auth_failures_total{provider="up"} 1.0' in metrics
+    # The same for a stream and for embeddings.
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="m", stream=True), headers=auth(api_key))
+    assert resp.status == 502 and (await resp.json())["error"]["code"] == "upstream_auth_failed"
+    resp = await gw.data.post("/v1/embeddings", json={"model": "m", "input": "x"}, headers=auth(api_key))
+    assert resp.status == 502 and (await resp.json())["error"]["code"] == "upstream_auth_failed"
+
+
+async def test_a_refused_credential_fails_over_to_a_deployment_whose_key_works(
+    gateway_factory: Any, fake_factory: Any, api_key: str
+) -> None:
+    locked, spare = await fake_factory(require_key="sk-right"), await fake_factory()
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"locked": {"type": "openai", "base_url": locked.url, "api_key": "sk-wrong"}, "spare": spare},
+        [{"name": "m", "deployments": [{"provider": "locked", "model": "m"}, {"provider": "spare", "model": "m"}]}]))
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))
+    assert resp.status == 200
+    assert await served_by(locked, spare) == [1, 1]

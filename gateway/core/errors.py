@@ -10,6 +10,7 @@
     ├── ModelNotFound               404 model_not_found
     ├── RateLimited                 429 rate_limit_exceeded (Retry-After)
     ├── UpstreamUnavailable         502 upstream_unavailable
+    │   └── UpstreamAuthFailed      502 upstream_auth_failed (the provider refused OUR credential)
     ├── ServiceUnavailable          503 (Retry-After)
     │   ├── CircuitOpen             503 circuit_open
     │   └── Overloaded              503 overloaded
@@ -48,6 +49,7 @@ __all__ = [
     "RequestTimeout",
     "RequestTooLarge",
     "ServiceUnavailable",
+    "UpstreamAuthFailed",
     "UpstreamTimeout",
     "UpstreamUnavailable",
 ]
@@ -155,6 +157,17 @@ class UpstreamUnavailable(GatewayError):
     type = "upstream_error"
     code = "upstream_unavailable"
     default_message = "upstream unavailable"
+
+
+class UpstreamAuthFailed(UpstreamUnavailable):
+    """The provider refused the gateway's own credential (its 401/403).
+
+    Not the client's key: relaying the provider's 401 would tell the client *its* key is
+    bad. The operator must fix the provider's ``api_key``; the client gets a 502.
+    """
+
+    code = "upstream_auth_failed"
+    default_message = "the gateway could not authenticate with the provider"
 
 
 class UpstreamTimeout(GatewayError):

@@ -29,7 +29,7 @@ from gateway.http.middleware import request_id_of
 from gateway.http.state import STATE, GatewayState
 from gateway.observability import logs
 from gateway.observability.metrics import CONTENT_TYPE, cost_of
-from gateway.observability.tracing import ChatSpan, note_failover, note_retry
+from gateway.observability.tracing import ChatSpan, note_failover, note_retry, note_upstream_error
 
 __all__ = [
     "CALL_RECORD",
@@ -154,6 +154,17 @@ def retried(state: GatewayState, provider: str, attempt: int, reason: str) -> No
     """An upstream attempt is about to be repeated (``reason``: status or error name)."""
     state.metrics.retried(provider, reason)
     note_retry(provider, attempt, reason)
+
+
+def upstream_failed(deployment: str, error: str, detail: str) -> None:
+    """An attempt failed in transport; ``detail`` (hosts, addresses) is for the span only."""
+    note_upstream_error(deployment, error, detail)
+
+
+def upstream_auth_failed(state: GatewayState, provider: str, deployment: str, status: int) -> None:
+    """A provider refused the gateway's credential (401/403): counted and on the span."""
+    state.metrics.upstream_auth_failed(provider)
+    note_upstream_error(deployment, "UpstreamCredentialRejected", f"provider answered {status}")
 
 
 def failed_over(state: GatewayState, deployment: str, reason: str) -> None:

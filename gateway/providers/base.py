@@ -32,7 +32,9 @@ __all__ = [
     "UpstreamTimeoutError",
     "IDENTITY_ENCODING",
     "UpstreamBodyTooLarge",
+    "UpstreamCredentialRejected",
     "client_timeout",
+    "error_detail",
     "fetch_model_ids",
     "map_transport_errors",
     "read_whole",
@@ -66,23 +68,43 @@ class UpstreamProtocolError(ProviderError):
     """The provider answered something that is not HTTP/JSON/SSE as promised."""
 
 
+class UpstreamCredentialRejected(ProviderError):
+    """The provider answered 401/403: it refused the gateway's credential for it.
+
+    Such a call was refused, not run, so moving on to another deployment is safe.
+    """
+
+    maybe_delivered = False
+
+
 class UpstreamBodyTooLarge(UpstreamProtocolError):
     """A whole answer grew past the provider's ``max_response_bytes``."""
 
 
 def _translated(exc: BaseException) -> ProviderError | None:
-    """The ProviderError for an aiohttp/asyncio failure, most specific first; else None."""
+    """The ProviderError for an aiohttp/asyncio failure, most specific first; else None.
+
+    Messages are fixed phrases: aiohttp's own text names hosts, addresses and URLs of
+    the upstream, which must not reach a client. The original stays the ``__cause__``,
+    for the log line and the span.
+    """
     if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ClientConnectorDNSError):
-        return UpstreamConnectError(str(exc) or type(exc).__name__)
+        return UpstreamConnectError("could not connect to the provider")
     if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
         return UpstreamTimeoutError("upstream timed out")
     if isinstance(exc, EventTooLarge):
         return UpstreamProtocolError(f"upstream stream broken: {exc}")
     if isinstance(exc, aiohttp.ClientPayloadError):
-        return UpstreamProtocolError(f"upstream body broken: {exc}")
+        return UpstreamProtocolError("upstream body broken")
     if isinstance(exc, aiohttp.ClientError | ConnectionError):
-        return UpstreamProtocolError(f"upstream connection failed: {type(exc).__name__}: {exc}")
+        return UpstreamProtocolError("upstream connection failed")
     return None
+
+
+def error_detail(exc: ProviderError) -> str:
+    """``exc`` with its foreign cause, for the log and the span only (never a client)."""
+    cause = exc.__cause__
+    return f"{exc}: {type(cause).__name__}: {cause}" if cause is not None else str(exc)
 
 
 class _TransportErrorMap:
