@@ -152,3 +152,40 @@ async def test_a_refused_credential_fails_over_to_a_deployment_whose_key_works(
     resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))
     assert resp.status == 200
     assert await served_by(locked, spare) == [1, 1]
+
+
+# ----------------------------------------------------------------------------- parsed once
+class _CountingJson:
+    """Stands in for ``orjson`` in a module: counts parses of one exact body."""
+
+    def __init__(self) -> None:
+        self.parsed: list[bytes] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(orjson, name)
+
+    def loads(self, data: Any) -> Any:
+        self.parsed.append(bytes(data) if isinstance(data, bytes | bytearray | memoryview) else data.encode())
+        return orjson.loads(data)
+
+
+async def test_a_whole_answer_is_parsed_once(
+    gateway_factory: Any, fake_factory: Any, api_key: str, monkeypatch: Any
+) -> None:
+    import gateway.core.usage
+    import gateway.providers.openai
+
+    counting = _CountingJson()
+    monkeypatch.setattr(gateway.providers.openai, "orjson", counting)
+    monkeypatch.setattr(gateway.core.usage, "orjson", counting)
+    fake = await fake_factory()
+    gw = await gateway_factory(config_yaml=_one({"type": "openai", "base_url": fake.url}))
+    for path, body in (
+        ("/v1/chat/completions", chat_body("one two", model="m")),
+        ("/v1/embeddings", {"model": "m", "input": "one two"}),
+    ):
+        counting.parsed.clear()
+        resp = await gw.data.post(path, json=body, headers=auth(api_key))
+        assert resp.status == 200
+        answer = await resp.read()
+        assert counting.parsed.count(answer) == 1, (path, len(counting.parsed))

@@ -133,7 +133,7 @@ async def _whole(
     target, reply = await dispatch(state, route, body, record, stream=False)
     record.status = reply.status
     record.served_model = target.upstream_model
-    usage, answer = usage_from_answer(reply.body)
+    usage, answer = usage_from_answer(reply.body, reply.answer)
     record.usage = usage
     if answer is not None:
         record.response_id = answer.get("id")

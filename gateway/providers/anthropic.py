@@ -168,7 +168,7 @@ class AnthropicProvider(Provider):
             return UpstreamReply(
                 status=resp.status, headers=_JSON_HEADERS, events=_replay_whole(message, translator)
             )
-        return UpstreamReply(status=resp.status, headers=reply_headers, body=orjson.dumps(answer))
+        return UpstreamReply(status=resp.status, headers=reply_headers, body=orjson.dumps(answer), answer=answer)
 
 
 def _wants_usage(body: Mapping[str, Any]) -> bool:

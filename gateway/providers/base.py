@@ -161,6 +161,9 @@ class UpstreamReply:
     status: int
     headers: Mapping[str, str]
     body: bytes = b""
+    #: ``body`` parsed, when the provider already parsed it (a 2xx whole answer is
+    #: checked to be a JSON object): usage and the cache read this instead of parsing again.
+    answer: dict[str, Any] | None = None
     events: AsyncIterator[bytes] | None = None
     #: The upstream response id and model, when known before the body is read.
     extra: dict[str, Any] = field(default_factory=dict)

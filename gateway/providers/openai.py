@@ -105,12 +105,11 @@ class OpenAIProvider(Provider):
             resp.close()
             raise
         resp.release()
-        if resp.status < 300:
-            _check_whole_answer(payload, content_type, stream=stream)
-        return UpstreamReply(status=resp.status, headers=resp.headers, body=payload)
+        answer = _checked_whole_answer(payload, content_type, stream=stream) if resp.status < 300 else None
+        return UpstreamReply(status=resp.status, headers=resp.headers, body=payload, answer=answer)
 
 
-def _check_whole_answer(payload: bytes, content_type: str, *, stream: bool) -> None:
+def _checked_whole_answer(payload: bytes, content_type: str, *, stream: bool) -> dict[str, Any]:
     """A 2xx answer must be what was asked for; anything else is the provider's failure.
 
     Relaying an HTML page or half a JSON document with our 200 would hand the client a
@@ -126,6 +125,7 @@ def _check_whole_answer(payload: bytes, content_type: str, *, stream: bool) -> N
         raise UpstreamProtocolError("upstream answered a body that is not JSON") from None
     if not isinstance(answer, dict):
         raise UpstreamProtocolError("upstream answered JSON that is not an object")
+    return answer  # parsed once: handed on in the reply, never parsed again
 
 
 async def _events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
