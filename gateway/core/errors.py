@@ -18,6 +18,7 @@
     │   (the management plane's own:)
     ├── AdminUnauthorized           401 invalid_admin_token (WWW-Authenticate: Bearer)
     ├── AdminDisabled               403 admin_disabled (no ADMIN_TOKEN configured)
+    ├── MetricsUnauthorized         401 invalid_metrics_token (METRICS_TOKEN set, not sent)
     ├── NotFound                    404 not_found (code varies: key_not_found, ...)
     └── Conflict                    409 conflict (code varies: key_state_conflict, ...)
 
@@ -41,6 +42,7 @@ __all__ = [
     "Conflict",
     "GatewayError",
     "InvalidRequest",
+    "MetricsUnauthorized",
     "ModelNotAllowed",
     "ModelNotFound",
     "NotFound",
@@ -212,6 +214,18 @@ class AdminUnauthorized(GatewayError):
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="llm-gateway admin"'})
+
+
+class MetricsUnauthorized(GatewayError):
+    """``METRICS_TOKEN`` is set and the scrape did not send it (one answer for missing and wrong)."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_metrics_token"
+    default_message = "invalid metrics token"
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="llm-gateway metrics"'})
 
 
 class AdminDisabled(GatewayError):

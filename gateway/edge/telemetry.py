@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import time
 import uuid
@@ -24,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.core.errors import MetricsUnauthorized
 from gateway.core.usage import CallRecord
 from gateway.http.middleware import request_id_of
 from gateway.http.state import STATE, GatewayState
@@ -39,9 +42,12 @@ __all__ = [
     "install",
     "key_known",
     "metrics_endpoint",
+    "metrics_guard",
     "observe",
     "retried",
     "route_label",
+    "upstream_auth_failed",
+    "upstream_failed",
 ]
 
 access_log = logging.getLogger(logs.ACCESS_LOGGER)
@@ -215,6 +221,24 @@ def _reader(state: GatewayState, component: str, attribute: str) -> Callable[[],
         return value() if callable(value) else value
 
     return read
+
+
+def metrics_guard(token: str | None, handler: Handler) -> Handler:
+    """``handler`` behind ``Authorization: Bearer <METRICS_TOKEN>`` when a token is set.
+
+    The comparison is constant-time over the token's digest, like the admin token's.
+    """
+    if not token:
+        return handler
+    expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        sent = hashlib.sha256(request.headers.get("Authorization", "").encode()).digest()
+        if not hmac.compare_digest(sent, expected):
+            raise MetricsUnauthorized()
+        return await handler(request)
+
+    return guarded
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
