@@ -19,7 +19,11 @@ ENV PYTHONUNBUFFERED=1 \
     BIND_ADDR=0.0.0.0:3000 \
     MANAGEMENT_BIND_ADDR=0.0.0.0:3001 \
     LLM_GATEWAY_HOME=/var/lib/llm-gateway
-RUN useradd --system --uid 10001 --home-dir /var/lib/llm-gateway --create-home gateway
+# The billing journal's directory exists (owned by the gateway user) so a volume mounted
+# there starts with the right owner: compose keeps unshipped usage across re-creations.
+RUN useradd --system --uid 10001 --home-dir /var/lib/llm-gateway --create-home gateway \
+    && install -d -o gateway -g gateway /var/lib/llm-gateway/billing-journal
+VOLUME ["/var/lib/llm-gateway/billing-journal"]
 COPY --from=build /wheels /wheels
 # The embedded PostgreSQL (pgserver) is for laptops; containers use DATABASE_URL.
 RUN pip install --no-cache-dir /wheels/*.whl && pip uninstall -y pgserver && rm -rf /wheels

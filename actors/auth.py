@@ -31,6 +31,7 @@ import asyncpg
 
 from actors.runtime import Actor, ActorRef
 from gateway.auth.keys import KEY_COLUMNS, KEY_PREFIX_LEN, KeyPolicy, KeyRecord, hash_key
+from gateway.auth.negative import NegativeCache
 
 __all__ = [
     "AuthActor",
@@ -45,6 +46,8 @@ log = logging.getLogger("gateway.auth")
 
 NOTIFY_CHANNEL = "api_keys_changed"
 NEGATIVE_TTL = 5.0
+#: Most unknown prefixes remembered at once: a flood of made-up keys costs bounded memory.
+NEGATIVE_MAX_ENTRIES = 100_000
 TOUCH_FLUSH_SECONDS = 1.0
 RECONNECT_SECONDS = 0.5
 #: Re-read every cached key this often even without notifications, as a safety net.
@@ -156,8 +159,8 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
         self._dsn = dsn
         self._cache: dict[str, VerifiedKey] = {}
         self.view: Mapping[str, VerifiedKey] = MappingProxyType(self._cache)
-        #: prefix → (monotonic expiry, reason) of keys known not to work.
-        self._negative: dict[str, tuple[float, str]] = {}
+        #: prefixes known not to work, with why; bounded in time and size.
+        self._negative = NegativeCache(NEGATIVE_MAX_ENTRIES)
         self._pending: dict[str, list[tuple[str, asyncio.Future[VerifiedKey]]]] = {}
         self._touched: set[uuid.UUID] = set()
         # A query may read a key just before it changes and answer after the change was
@@ -227,8 +230,8 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
                 fut.set_exception(Unauthenticated(refused))
             return fut
         negative = self._negative.get(prefix)
-        if negative is not None and negative[0] > time.monotonic():
-            fut.set_exception(Unauthenticated(negative[1]))
+        if negative is not None:
+            fut.set_exception(Unauthenticated(negative))
             return fut
         waiters = self._pending.get(prefix)
         if waiters is not None:
@@ -264,9 +267,7 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
         if stale:
             pass  # the key changed while we asked: answer these waiters, remember nothing
         elif row is None:
-            self._negative[looked.prefix] = (time.monotonic() + NEGATIVE_TTL, str(looked.found))
-            if len(self._negative) > 100_000:
-                self._prune_negative()
+            self._negative.add(looked.prefix, str(looked.found), NEGATIVE_TTL)
         else:
             self._cache[looked.prefix] = row
         for token, fut in waiters:
@@ -278,14 +279,9 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
             else:
                 fut.set_exception(Unauthenticated(refused or "unknown"))
 
-    def _prune_negative(self) -> None:
-        now = time.monotonic()
-        for prefix in [p for p, (until, _) in self._negative.items() if until <= now]:
-            del self._negative[prefix]
-
     def _evict(self, prefix: str) -> None:
         self._cache.pop(prefix, None)
-        self._negative.pop(prefix, None)
+        self._negative.discard(prefix)
         self._evictions += 1
         if self._queries_in_flight:
             self._evicted[prefix] = self._evictions

@@ -22,6 +22,7 @@ import actors.auth
 from actors.auth import AuthActor, AuthHandle, Unauthenticated
 from actors.runtime import ActorStopped, Supervisor
 from gateway.auth.keys import KeyPolicy, KeyStore, generate_key
+from gateway.auth.negative import NegativeCache
 from tests.conftest import FakeUpstream, auth, chat_body, config_for, via_proxy
 
 LOOKUP = "FROM api_keys WHERE key_prefix = $1"
@@ -368,3 +369,55 @@ async def test_a_revocation_during_a_lookup_is_not_undone_by_the_lookup(
     pg_proxy.resume()
     assert await lookup  # it raced the revocation and read the row before it: fair for this request
     assert not await accepted(a.handle, raw)  # but the stale answer must not stay cached
+
+
+# ----------------------------------------------------------------------------- negative cache
+def test_negative_cache_forgets_entries_once_they_expire() -> None:
+    now = [100.0]
+    cache = NegativeCache(10, clock=lambda: now[0])
+    cache.add("llmg_aaaaaaa", "unknown", 5.0)
+    assert cache.get("llmg_aaaaaaa") == "unknown" and "llmg_aaaaaaa" in cache
+    now[0] += 5.0
+    assert cache.get("llmg_aaaaaaa") is None and "llmg_aaaaaaa" not in cache
+    assert len(cache) == 0
+
+
+def test_negative_cache_stays_bounded_and_drops_the_oldest_first() -> None:
+    now = [0.0]
+    cache = NegativeCache(1000, clock=lambda: now[0])
+    for i in range(5000):
+        cache.add(f"p{i}", "unknown", 60.0)
+    assert len(cache) == 1000
+    assert "p3999" not in cache and "p4000" in cache and "p4999" in cache
+
+
+def test_negative_cache_prunes_expired_entries_on_insert_without_a_scan() -> None:
+    now = [0.0]
+    cache = NegativeCache(1_000_000, clock=lambda: now[0])
+    for i in range(1000):
+        cache.add(f"old{i}", "unknown", 5.0)
+    now[0] = 6.0
+    cache.add("new", "revoked", 5.0)
+    assert len(cache) == 1  # expired entries left on the first insert after they expired
+
+
+def test_negative_cache_insert_cost_does_not_grow_with_its_size() -> None:
+    def seconds_for_inserts(size: int) -> float:
+        cache = NegativeCache(size)
+        for i in range(size):
+            cache.add(f"fill{i}", "unknown", 3600.0)
+        started = time.perf_counter()
+        for i in range(2000):
+            cache.add(f"more{i}", "unknown", 3600.0)
+        return time.perf_counter() - started
+
+    # A scan per insert made 2,000 inserts into 200,000 entries ~100x slower than into 2,000.
+    assert seconds_for_inserts(200_000) < 20 * seconds_for_inserts(2_000) + 0.05
+
+
+async def test_a_flood_of_unknown_keys_keeps_the_actor_negative_cache_bounded(auth_factory: Any) -> None:
+    a = await auth_factory()
+    a.actor._negative.max_entries = 50
+    for _ in range(120):
+        assert not await accepted(a.handle, generate_key())
+    assert len(a.actor._negative) == 50

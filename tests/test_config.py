@@ -36,7 +36,9 @@ def config_error(tmp_path: Path, text: str, env: dict[str, str] | None = None) -
 def test_defaults_follow_the_contract(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # no conf/gateway.yaml here
     s = load_settings({})
-    assert (s.bind_host, s.bind_port) == ("0.0.0.0", 3000)
+    # No DATABASE_URL is development (embedded database, public dev key): loopback only.
+    assert (s.bind_host, s.bind_port) == ("127.0.0.1", 3000)
+    assert (load_settings({"DATABASE_URL": "postgresql://db/gw"}).bind_host) == "0.0.0.0"
     assert (s.management_host, s.management_port) == ("127.0.0.1", 3001)
     assert s.database_url is None and s.redis_url is None and s.config_path is None
     assert s.venice_api_key is None and s.venice_base_url == "https://api.venice.ai/api/v1"
@@ -286,3 +288,30 @@ def test_settings_are_immutable() -> None:
     s = Settings()
     with pytest.raises(AttributeError):
         s.bind_port = 1  # type: ignore[misc]
+
+
+def test_development_mode_binds_loopback_unless_bind_addr_is_given() -> None:
+    dev = load_settings({})
+    assert (dev.bind_host, dev.bind_port, dev.bind_addr_given) == ("127.0.0.1", 3000, False)
+    production = load_settings({"DATABASE_URL": "postgresql://db/gw"})
+    assert (production.bind_host, production.bind_port) == ("0.0.0.0", 3000)
+    chosen = load_settings({"BIND_ADDR": "0.0.0.0:3100"})
+    assert (chosen.bind_host, chosen.bind_port, chosen.bind_addr_given) == ("0.0.0.0", 3100, True)
+
+
+def test_development_start_says_who_can_reach_the_dev_key() -> None:
+    from gateway.edge.server import _dev_bind_notice
+
+    offline = load_settings({})
+    assert "127.0.0.1 only" in _dev_bind_notice(offline, load_config(offline, {}))
+    env = {"BIND_ADDR": "0.0.0.0:3000", "VENICE_API_KEY": "sk-real"}
+    exposed = load_settings(env)
+    notice = _dev_bind_notice(exposed, load_config(exposed, env))
+    assert notice.startswith("WARNING") and "venice" in notice
+
+
+def test_metrics_token_is_read_from_the_environment_or_a_file(tmp_path: Path) -> None:
+    assert load_settings({}).metrics_token is None
+    assert load_settings({"METRICS_TOKEN": "t1"}).metrics_token == "t1"
+    (tmp_path / "token").write_text("t2\n")
+    assert load_settings({"METRICS_TOKEN_FILE": str(tmp_path / "token")}).metrics_token == "t2"

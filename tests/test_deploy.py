@@ -71,3 +71,34 @@ def test_image_builds_where_a_docker_engine_runs() -> None:
         pytest.skip("no Docker engine on this machine")
     result = subprocess.run(["docker", "build", "-q", "-t", "llm-gateway:test", str(REPO)], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_compose_keeps_the_management_plane_unpublished_and_the_scrape_behind_a_token() -> None:
+    stack = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    services = stack["services"]
+    published = [p for svc in services.values() for p in svc.get("ports", [])]
+    assert not any(str(p).split(":")[-1].startswith("3001") for p in published), published
+    prometheus_yaml = yaml.safe_load((REPO / "conf/compose/prometheus.yml").read_text())
+    for replica in ("gateway-1", "gateway-2"):
+        service = services[replica]
+        assert service["environment"]["METRICS_TOKEN_FILE"] == "/run/secrets/metrics_token"
+        assert "metrics_token" in service["secrets"]
+    assert "metrics_token" in services["prometheus"]["secrets"]
+    auth = prometheus_yaml["scrape_configs"][0]["authorization"]
+    assert auth == {"type": "Bearer", "credentials_file": "/run/secrets/metrics_token"}
+
+
+def test_compose_keeps_each_replicas_billing_journal_on_a_volume() -> None:
+    stack = yaml.safe_load((REPO / "docker-compose.yml").read_text())
+    journals = set()
+    for replica in ("gateway-1", "gateway-2"):
+        mounts = stack["services"][replica]["volumes"]
+        journal = [m for m in mounts if m.endswith(":/var/lib/llm-gateway/billing-journal")]
+        assert len(journal) == 1, mounts
+        volume = journal[0].split(":")[0]
+        assert volume in stack["volumes"], volume  # a named volume: survives re-creation
+        journals.add(volume)
+        assert any(m.endswith("/etc/llm-gateway/gateway.yaml:ro") for m in mounts)
+    assert len(journals) == 2, "each replica has its own journal"
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "install -d -o gateway -g gateway /var/lib/llm-gateway/billing-journal" in dockerfile

@@ -34,7 +34,10 @@ def _contents(raw: bytes) -> str:
 # ----------------------------------------------------------------------------- streams
 async def test_stream_fails_over_before_the_first_byte(gateway_factory: Any, fake_factory: Any, api_key: str) -> None:
     a, b = await fake_factory(), await fake_factory()
-    gw = await gateway_factory(env=NO_RETRIES, config_yaml=fleet_config({"a": a, "b": b}, [group("m", dep("a"), dep("b"))]))
+    # A 200 that closes before its first event may have been billed: moving on from it
+    # is what retry_on_timeout (off by default) allows.
+    provider_a = {"type": "openai", "base_url": a.url, "retry_on_timeout": True}
+    gw = await gateway_factory(env=NO_RETRIES, config_yaml=fleet_config({"a": provider_a, "b": b}, [group("m", dep("a"), dep("b"))]))
     calls = records(gw)
     # An error status, then a 200 whose stream closes before its first event.
     await a.script({"status": 503}, {"cut_after_chunks": 0})
@@ -128,6 +131,18 @@ async def test_timeout_after_sending_is_resent_only_where_allowed(gateway_factor
     resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="twice"), headers=auth(api_key))
     assert resp.status == 200
     assert await served_by(eager, spare) == [2, 1]  # retried once, then failed over
+
+
+async def test_timeout_after_sending_is_not_resent_by_default(gateway_factory: Any, fake_factory: Any, api_key: str) -> None:
+    # retry_on_timeout is opt-in: a call that may already have been billed is sent once.
+    slow, spare = await fake_factory(latency_ms=600), await fake_factory()
+    provider = {"type": "openai", "base_url": slow.url, "max_retries": 2}
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"slow": provider, "spare": spare}, [group("m", dep("slow"), dep("spare"), timeout_seconds=0.2)]))
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))
+    assert resp.status == 504
+    assert (await resp.json())["error"]["code"] == "upstream_timeout"
+    assert await served_by(slow, spare) == [1, 0]
 
 
 # ----------------------------------------------------------------------------- models and keys

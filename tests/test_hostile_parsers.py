@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -80,6 +81,53 @@ def test_sse_reader_never_loses_or_invents_bytes(data: bytes, cuts: list[int]) -
     # Events carry every non-blank byte of the input, in order, each closed by a blank line.
     assert re.sub(rb"\s", b"", joined) == re.sub(rb"\s", b"", normalised)
     assert all(e.endswith(b"\n\n") and e.strip() for e in events)
+
+
+line_ends = st.sampled_from([b"\n", b"\r\n"])
+
+
+@st.composite
+def mixed_streams(draw: st.DrawFn) -> tuple[bytes, list[bytes]]:
+    """A stream whose events end their lines with LF, CRLF or a mix, and its payloads."""
+    datas = draw(st.lists(payload, min_size=1, max_size=5))
+    stream = b"".join(b"data: " + d + draw(line_ends) + draw(line_ends) for d in datas)
+    return stream, datas
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=60, deadline=None)
+@given(mixed_streams())
+def test_sse_reader_splits_crlf_and_mixed_streams_at_every_offset(case: tuple[bytes, list[bytes]]) -> None:
+    stream, datas = case
+    expected = stream.replace(b"\r\n", b"\n")
+    for offset in range(len(stream) + 1):
+        events = _collect([stream[:offset], stream[offset:]])
+        assert [event_data(e) for e in events] == datas, offset
+        assert b"".join(events) == expected, offset
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=200, deadline=None)
+@given(mixed_streams(), st.lists(st.integers(min_value=0), max_size=10))
+def test_sse_reader_crlf_and_mixed_streams_whatever_the_chunking(
+    case: tuple[bytes, list[bytes]], cuts: list[int]
+) -> None:
+    stream, datas = case
+    events = _collect(_split(stream, cuts))
+    assert [event_data(e) for e in events] == datas
+    assert b"".join(events) == stream.replace(b"\r\n", b"\n")
+
+
+def test_sse_reader_keeps_events_apart_when_a_crlf_blank_line_is_split() -> None:
+    events = _collect([b"data: a\r\n\r", b"\ndata: b\r\n\r\n"])
+    assert [event_data(e) for e in events] == [b"a", b"b"]
+
+
+def test_sse_reader_folds_a_large_crlf_event_in_linear_time() -> None:
+    # Re-folding the whole buffer on every chunk took ~2 s here (0.03 s folded per chunk).
+    big = b"data: " + b"z\r\n" * 400_000 + b"\r\n"
+    started = time.perf_counter()
+    events = _collect([big[i : i + 1024] for i in range(0, len(big), 1024)])
+    assert time.perf_counter() - started < 1.0
+    assert len(events) == 1 and events[0].count(b"\n") == 400_001
 
 
 def test_sse_reader_crlf_and_multiline_data() -> None:

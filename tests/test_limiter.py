@@ -377,3 +377,29 @@ async def test_memory_storage_sweeps_at_most_once_a_second() -> None:
         await windows.hit(item, "ip", str(i))
     assert storage._next_sweep > time.monotonic()
     assert len(storage.storage) == 200
+
+
+def test_the_limits_internals_the_memory_storage_overrides_still_exist() -> None:
+    # LocalStorage overrides these private names; if an upgrade renamed them, the
+    # overrides would do nothing and nothing else would fail.
+    from limits.aio.storage import MemoryStorage
+
+    from gateway.limits import storage as storage_module
+
+    for mangled in ("_MemoryStorage__schedule_expiry", "_MemoryStorage__expire_events"):
+        assert callable(getattr(MemoryStorage, mangled, None)), mangled
+        assert mangled in vars(LocalStorage), mangled
+    for name in storage_module._WRAPPED:
+        assert hasattr(MemoryStorage, name) or hasattr(RedisWindowStorage, name), name
+
+
+def test_limits_is_pinned_to_the_tested_major() -> None:
+    import configparser
+    from importlib.metadata import version
+    from pathlib import Path
+
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    requires = [line.strip() for line in cfg["options"]["install_requires"].splitlines()]
+    assert "limits>=5.0,<6" in requires
+    assert version("limits").split(".")[0] == "5"

@@ -290,7 +290,7 @@ async def test_each_error_class_in_anthropic_shape(
     with pytest.raises(anthropic.OverloadedError) as busy:
         await sdk(gw, api_key).messages.create(model="gpt", **ask)
     assert busy.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
-    await claude.script({"status": 529})
+    await claude.script({"status": 529}, {"status": 529}, {"status": 529})  # every attempt: retries count once
     with pytest.raises(anthropic.OverloadedError):
         await sdk(gw, api_key).messages.create(model="smart", **ask)
     # The gateway's own: an unreachable upstream (api_error), then its open circuit (529).

@@ -285,3 +285,20 @@ async def test_circuit_state_follows_the_breaker(gateway_factory: Any, fake: Fak
     assert resp.status == 503  # circuit_open
     _, samples = await scrape(gw)
     assert value(samples, "gateway_requests_total", route="/v1/chat/completions", status="503") == 1
+
+
+async def test_metrics_token_guards_the_scrape(gateway_factory: Any, fake: FakeUpstream) -> None:
+    gw = await gateway_factory(env={"METRICS_TOKEN": "scrape-secret"}, config_yaml=config_for(fake.url))
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "scrape-secret"}):
+        resp = await gw.management.get("/metrics", headers=headers)
+        assert resp.status == 401, headers
+        assert resp.headers["WWW-Authenticate"].startswith("Bearer")
+        error = (await resp.json())["error"]
+        assert (error["type"], error["code"]) == ("authentication_error", "invalid_metrics_token")
+    resp = await gw.management.get("/metrics", headers={"Authorization": "Bearer scrape-secret"})
+    assert resp.status == 200 and "gateway_requests_total" in await resp.text()
+    assert (await gw.management.get("/healthz")).status == 200  # health stays open
+
+
+async def test_metrics_need_no_token_when_none_is_set(gateway: Gateway) -> None:
+    assert (await gateway.management.get("/metrics")).status == 200

@@ -189,7 +189,8 @@ class DeploymentEmbedder:
             reply = await self._provider.embeddings({"model": self._model, "input": text}, headers={})
             if not reply.ok:
                 raise EmbedderError(f"embeddings deployment answered {reply.status}")
-            data = orjson.loads(reply.body)["data"][0]["embedding"]
+            answer = reply.answer if reply.answer is not None else orjson.loads(reply.body)
+            data = answer["data"][0]["embedding"]
             vector = np.asarray(data, dtype=np.float32)
         except EmbedderError:
             raise

@@ -129,7 +129,10 @@ class ProviderConfig(_Section):
     idle_timeout: Seconds | None = Field(default=None, validation_alias="idle_timeout_seconds")
     max_retries: Annotated[StrictInt, Field(ge=0)] | None = None
     #: May a call that timed out after it was sent be sent again (it may have been billed)?
-    retry_on_timeout: StrictBool = True
+    retry_on_timeout: StrictBool = False
+    #: Largest whole (non-streaming) answer read from the provider, after decompression;
+    #: past it the call fails with 502 instead of growing memory without bound.
+    max_response_bytes: Annotated[StrictInt, Field(ge=1024)] = 64 * 1024 * 1024
     headers: Annotated[tuple[tuple[str, str], ...], BeforeValidator(_header_items)] = ()
     #: Where ``api_key`` was read from, if a file: providers re-read it when it changes,
     #: so a rotated key takes effect without a restart (gateway/providers/credentials.py).

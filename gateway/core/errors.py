@@ -11,6 +11,7 @@
     ├── ModelNotFound               404 model_not_found
     ├── RateLimited                 429 rate_limit_exceeded (Retry-After)
     ├── UpstreamUnavailable         502 upstream_unavailable
+    │   └── UpstreamAuthFailed      502 upstream_auth_failed (the provider refused OUR credential)
     ├── ServiceUnavailable          503 (Retry-After)
     │   ├── CircuitOpen             503 circuit_open
     │   └── Overloaded              503 overloaded
@@ -18,6 +19,7 @@
     │   (the management plane's own:)
     ├── AdminUnauthorized           401 invalid_admin_token (WWW-Authenticate: Bearer)
     ├── AdminDisabled               403 admin_disabled (no ADMIN_TOKEN configured)
+    ├── MetricsUnauthorized         401 invalid_metrics_token (METRICS_TOKEN set, not sent)
     ├── NotFound                    404 not_found (code varies: key_not_found, ...)
     └── Conflict                    409 conflict (code varies: key_state_conflict, ...)
 
@@ -42,6 +44,7 @@ __all__ = [
     "GatewayError",
     "GuardrailBlocked",
     "InvalidRequest",
+    "MetricsUnauthorized",
     "ModelNotAllowed",
     "ModelNotFound",
     "NotFound",
@@ -50,6 +53,7 @@ __all__ = [
     "RequestTimeout",
     "RequestTooLarge",
     "ServiceUnavailable",
+    "UpstreamAuthFailed",
     "UpstreamTimeout",
     "UpstreamUnavailable",
 ]
@@ -172,6 +176,17 @@ class UpstreamUnavailable(GatewayError):
     default_message = "upstream unavailable"
 
 
+class UpstreamAuthFailed(UpstreamUnavailable):
+    """The provider refused the gateway's own credential (its 401/403).
+
+    Not the client's key: relaying the provider's 401 would tell the client *its* key is
+    bad. The operator must fix the provider's ``api_key``; the client gets a 502.
+    """
+
+    code = "upstream_auth_failed"
+    default_message = "the gateway could not authenticate with the provider"
+
+
 class UpstreamTimeout(GatewayError):
     """The provider took longer than its timeout."""
 
@@ -214,6 +229,18 @@ class AdminUnauthorized(GatewayError):
 
     def __init__(self, message: str | None = None) -> None:
         super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="llm-gateway admin"'})
+
+
+class MetricsUnauthorized(GatewayError):
+    """``METRICS_TOKEN`` is set and the scrape did not send it (one answer for missing and wrong)."""
+
+    status = 401
+    type = "authentication_error"
+    code = "invalid_metrics_token"
+    default_message = "invalid metrics token"
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message, headers={"WWW-Authenticate": 'Bearer realm="llm-gateway metrics"'})
 
 
 class AdminDisabled(GatewayError):

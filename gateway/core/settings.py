@@ -39,6 +39,11 @@ class Settings:
     venice_api_key: str | None = None
     venice_base_url: str = DEFAULT_VENICE_BASE_URL
     admin_token: str | None = None
+    #: Bearer token ``GET /metrics`` requires (``METRICS_TOKEN``); None: no token needed.
+    metrics_token: str | None = None
+    #: Whether ``BIND_ADDR`` was given: with the embedded database (development) and no
+    #: ``BIND_ADDR``, the data plane listens on 127.0.0.1 only.
+    bind_addr_given: bool = False
     #: Who the admin token is in the audit trail; None: a fingerprint of the token.
     admin_token_name: str | None = None
     request_timeout: float = 120.0
@@ -159,7 +164,11 @@ def _otlp_traces_url(environ: Mapping[str, str]) -> str | None:
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     """Read and validate the environment; raises ConfigError naming the variable."""
     env = os.environ if environ is None else environ
-    bind_host, bind_port = _addr(env, "BIND_ADDR", "0.0.0.0:3000")
+    bind_addr_given = bool(env.get("BIND_ADDR"))
+    # Development (embedded database, seeded public dev key): loopback unless told otherwise,
+    # so the dev key cannot spend a real provider account from across the network.
+    dev_mode = not env_or_file(env, "DATABASE_URL")
+    bind_host, bind_port = _addr(env, "BIND_ADDR", "127.0.0.1:3000" if dev_mode else "0.0.0.0:3000")
     mgmt_host, mgmt_port = _addr(env, "MANAGEMENT_BIND_ADDR", "127.0.0.1:3001")
     config_raw = env.get("GATEWAY_CONFIG")
     config_path: Path | None
@@ -193,6 +202,8 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         venice_api_key=env_or_file(env, "VENICE_API_KEY"),
         venice_base_url=env.get("VENICE_BASE_URL") or DEFAULT_VENICE_BASE_URL,
         admin_token=env_or_file(env, "ADMIN_TOKEN"),
+        metrics_token=env_or_file(env, "METRICS_TOKEN"),
+        bind_addr_given=bind_addr_given,
         admin_token_name=env.get("ADMIN_TOKEN_NAME") or None,
         request_timeout=_number(env, "REQUEST_TIMEOUT_SECONDS", 120.0, integer=False, minimum=0.001),
         body_limit=_number(env, "REQUEST_BODY_LIMIT_BYTES", 1_048_576, integer=True, minimum=1),

@@ -60,9 +60,18 @@ def _count(value: Any) -> int:
     return int(value)
 
 
-def usage_from_answer(body: bytes) -> tuple[Usage, dict[str, Any] | None]:
-    """Usage of a whole (non-streaming) answer, and the parsed answer if it is JSON."""
+def usage_from_answer(
+    body: bytes, parsed: dict[str, Any] | None = None
+) -> tuple[Usage, dict[str, Any] | None]:
+    """Usage of a whole (non-streaming) answer, and the parsed answer if it is JSON.
+
+    ``parsed`` is the answer as the provider already parsed it (``UpstreamReply.answer``):
+    then ``body`` is not parsed a second time.
+    """
     usage = Usage()
+    if parsed is not None:
+        usage.absorb(parsed)
+        return usage, parsed
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:

@@ -184,7 +184,9 @@ def build_management_app(
     app.on_response_prepare.append(security_headers(MANAGEMENT_HEADERS))
     app.on_response_prepare.append(cors.on_prepare)
     app.router.add_get("/healthz", dataplane.healthz)
-    app.router.add_get("/metrics", metrics_handler or telemetry.metrics_endpoint)
+    app.router.add_get(
+        "/metrics", telemetry.metrics_guard(settings.metrics_token, metrics_handler or telemetry.metrics_endpoint)
+    )
     app.router.add_get("/openapi.json", openapi.document_handler(openapi.management_document()))
     admin.add_admin_routes(app.router)
     cache_admin.add_routes(app)

@@ -87,7 +87,7 @@ async def embeddings(request: web.Request) -> web.Response:
         requested_model=model,
     )
     _target, reply = await embed(state, route, body, record)
-    permit.charge(usage_from_answer(reply.body)[0].total_tokens)
+    permit.charge(usage_from_answer(reply.body, reply.answer)[0].total_tokens)
     return web.Response(
         status=reply.status,
         body=reply.body,

@@ -29,6 +29,12 @@ A call may carry the request as its client sent it (:class:`NativeCall`): a targ
 provider speaks that protocol natively (``speaks_messages``) gets it, with only the model
 name changed, and its reply comes back in that wire; every other target gets the chat body.
 
+What a client learns of a failure is the contract's message and its request id; the
+detail (aiohttp's text, with upstream hosts and addresses) goes to the log and the span.
+A provider's own 401/403 means the gateway's credential for it is wrong, not the
+client's key: it moves on to the next deployment (without opening the circuit), is logged at ERROR and counted
+(``gateway_upstream_auth_failures_total``), and ends as 502 ``upstream_auth_failed``.
+
 Embeddings (:func:`embed`) go the same way as a whole chat call, over the targets whose
 provider serves embeddings (others are passed over, not counted as failures).
 """
@@ -36,6 +42,7 @@ provider serves embeddings (others are passed over, not counted as failures).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -45,7 +52,14 @@ import orjson
 
 from actors.breaker import DEFAULT_COOLDOWN_SECONDS, Admission, BreakerHandle, Outcome
 from gateway.core.config import ModelGroup
-from gateway.core.errors import CircuitOpen, GatewayError, ModelNotFound, UpstreamTimeout, UpstreamUnavailable
+from gateway.core.errors import (
+    CircuitOpen,
+    GatewayError,
+    ModelNotFound,
+    UpstreamAuthFailed,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from gateway.core.usage import CallRecord
 from gateway.edge import telemetry
 from gateway.http.state import GatewayState
@@ -55,14 +69,21 @@ from gateway.providers.base import (
     Provider,
     ProviderError,
     Timeouts,
+    UpstreamCredentialRejected,
     UpstreamProtocolError,
     UpstreamReply,
     UpstreamTimeoutError,
+    error_detail,
 )
 from gateway.relay.retry import RETRYABLE_STATUSES, is_failure_status, may_resend
 from gateway.relay.routing import Route, Target
 
 __all__ = ["NativeCall", "dispatch", "embed", "timeouts_for"]
+
+log = logging.getLogger("gateway.upstream")
+
+#: A provider answering these refused the gateway's credential, not the client's key.
+_CREDENTIAL_REFUSED = frozenset({401, 403})
 
 #: Added to a probe's timeouts for its lease, so a slow probe is not taken for a lost one.
 _PROBE_LEASE_MARGIN = 5.0
@@ -219,7 +240,11 @@ class _Call:
             return self.last_target, self.last_reply  # the provider's own error, relayed
         if isinstance(self.last_error, UpstreamTimeoutError):
             raise UpstreamTimeout(f"upstream timed out ({record.retries} retries, {record.failovers} failovers)")
-        raise UpstreamUnavailable(f"upstream unavailable: {self.last_error}")
+        if isinstance(self.last_error, UpstreamCredentialRejected):
+            raise UpstreamAuthFailed(
+                f"the gateway could not authenticate with the provider (request id {record.request_id})"
+            )
+        raise UpstreamUnavailable(f"upstream unavailable (request id {record.request_id})")
 
     async def _try(
         self, target: Target, group: ModelGroup, fallback_model: str | None, *, more: bool
@@ -272,11 +297,16 @@ class _Call:
                 retry = resend and attempt < max_retries
                 breaker.report(deployment, Outcome.FAILURE, token=token, will_retry=retry and not token)
                 self.last_error, self.last_reply, self.last_target = exc, None, target
+                detail = error_detail(exc)
+                log.warning("request %s: %s on %s failed: %s", record.request_id, type(exc).__name__, deployment, detail)
+                telemetry.upstream_failed(deployment, type(exc).__name__, detail)
                 if not resend:
                     # It may have run upstream: sending it anywhere again could bill twice.
                     if isinstance(exc, UpstreamTimeoutError):
                         raise UpstreamTimeout("upstream timed out (not retried: retry_on_timeout is off)") from None
-                    raise UpstreamUnavailable(f"upstream failed after sending: {exc}") from None
+                    raise UpstreamUnavailable(
+                        f"upstream failed after the request was sent (request id {record.request_id})"
+                    ) from None
                 if not retry:
                     return None
                 delay = state.retry_policy.delay(attempt, None)
@@ -287,6 +317,9 @@ class _Call:
             else:
                 elapsed = time.monotonic() - started
                 status = reply.status
+                if status in _CREDENTIAL_REFUSED:
+                    await self._credential_refused(target, reply, token)
+                    return None  # another deployment's credential may work; retrying here won't
                 if status not in RETRYABLE_STATUSES and not is_failure_status(status):
                     if first is not None:
                         breaker.report(deployment, Outcome.SUCCESS, token=token, ttft=elapsed)
@@ -319,6 +352,22 @@ class _Call:
             record.retries += 1
             telemetry.retried(state, target.provider, attempt, reason)
             await asyncio.sleep(delay)
+
+
+    async def _credential_refused(self, target: Target, reply: UpstreamReply, token: int) -> None:
+        """The provider refused our credential: loud for the operator, a failure to move on from."""
+        deployment = target.deployment.id
+        await reply.release()
+        # Neutral, not a failure: the operator's fix (a rotated key file) takes effect
+        # within a second, and an open circuit would keep the deployment out long after.
+        self.breaker.report(deployment, Outcome.NEUTRAL, token=token)
+        log.error(
+            "provider %s refused the gateway's credential (HTTP %d) for request %s: check providers.%s.api_key",
+            target.provider, reply.status, self.record.request_id, target.provider,
+        )
+        telemetry.upstream_auth_failed(self.state, target.provider, deployment, reply.status)
+        self.last_error = UpstreamCredentialRejected(f"provider answered {reply.status}")
+        self.last_reply, self.last_target = None, target
 
 
 def _left_behind(

@@ -208,7 +208,7 @@ async def _whole(
 
 def _settle_answer(state: GatewayState, reply: UpstreamReply, record: CallRecord, target: Target) -> dict[str, Any] | None:
     """Fill the record from a whole answer in the internal shape; the parsed answer."""
-    usage, answer = usage_from_answer(reply.body)
+    usage, answer = usage_from_answer(reply.body, reply.answer)
     record.usage = usage
     if answer is not None:
         record.response_id = answer.get("id")

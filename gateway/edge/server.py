@@ -24,6 +24,7 @@ from gateway.core.config import GatewayConfig, Settings
 from gateway.core.db import embedded_database_url
 from gateway.edge.app import DATA_SERVER_OPTIONS, build_data_app, build_management_app, gateway_state
 from gateway.http.admission import ADMISSION, AdmissionGate, raise_open_file_limit
+from gateway.http.parser_errors import ContractAppRunner
 from gateway.observability.logfilters import install_log_filters
 
 __all__ = ["resolve_database_url", "run", "serve"]
@@ -113,8 +114,9 @@ async def _serve_until_stopped(
                 print(f"seeded development key: {DEV_KEY}", flush=True)
             else:
                 print(f"development key: {DEV_KEY}", flush=True)
+            print(_dev_bind_notice(settings, config), flush=True)
         data_app = build_data_app(state)
-        data_runner = web.AppRunner(
+        data_runner = ContractAppRunner(
             data_app,
             handle_signals=False,
             shutdown_timeout=settings.shutdown_grace,
@@ -124,7 +126,7 @@ async def _serve_until_stopped(
             keepalive_timeout=settings.client_idle_timeout,
             **DATA_SERVER_OPTIONS,  # type: ignore[arg-type]
         )
-        mgmt_runner = web.AppRunner(
+        mgmt_runner = ContractAppRunner(
             build_management_app(state), handle_signals=False, shutdown_timeout=5, access_log=None
         )
         await data_runner.setup()
@@ -152,6 +154,22 @@ async def _serve_until_stopped(
             # One by one, data plane first: clients drain while operators can still look.
             await data_runner.cleanup()
             await mgmt_runner.cleanup()
+
+
+def _dev_bind_notice(settings: Settings, config: GatewayConfig) -> str:
+    """What start-up says about who can reach the public development key."""
+    if not settings.bind_addr_given:
+        return (
+            f"development mode (embedded database): data plane on {settings.bind_host} only;"
+            " set BIND_ADDR (e.g. 0.0.0.0:3000) to listen on the network"
+        )
+    real = sorted(name for name, provider in config.providers.items() if provider.type != "mock")
+    if settings.bind_host not in ("127.0.0.1", "::1", "localhost") and real:
+        return (
+            f"WARNING: the development key is public and the data plane listens on {settings.bind_host}:"
+            f" anyone who can reach it can spend provider account(s) {', '.join(real)}"
+        )
+    return f"development mode (embedded database): data plane on {settings.bind_host}"
 
 
 async def _drain(runner: web.AppRunner, gate: AdmissionGate, grace: float) -> None:

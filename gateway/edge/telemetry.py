@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import time
 import uuid
@@ -24,12 +26,13 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.core.errors import MetricsUnauthorized
 from gateway.core.usage import CallRecord
 from gateway.http.middleware import request_id_of
 from gateway.http.state import STATE, GatewayState
 from gateway.observability import logs
 from gateway.observability.metrics import CONTENT_TYPE, cost_of
-from gateway.observability.tracing import ChatSpan, note_failover, note_retry
+from gateway.observability.tracing import ChatSpan, note_failover, note_retry, note_upstream_error
 
 __all__ = [
     "CALL_RECORD",
@@ -39,9 +42,12 @@ __all__ = [
     "install",
     "key_known",
     "metrics_endpoint",
+    "metrics_guard",
     "observe",
     "retried",
     "route_label",
+    "upstream_auth_failed",
+    "upstream_failed",
 ]
 
 access_log = logging.getLogger(logs.ACCESS_LOGGER)
@@ -156,6 +162,17 @@ def retried(state: GatewayState, provider: str, attempt: int, reason: str) -> No
     note_retry(provider, attempt, reason)
 
 
+def upstream_failed(deployment: str, error: str, detail: str) -> None:
+    """An attempt failed in transport; ``detail`` (hosts, addresses) is for the span only."""
+    note_upstream_error(deployment, error, detail)
+
+
+def upstream_auth_failed(state: GatewayState, provider: str, deployment: str, status: int) -> None:
+    """A provider refused the gateway's credential (401/403): counted and on the span."""
+    state.metrics.upstream_auth_failed(provider)
+    note_upstream_error(deployment, "UpstreamCredentialRejected", f"provider answered {status}")
+
+
 def failed_over(state: GatewayState, deployment: str, reason: str) -> None:
     """A call leaves ``deployment`` for the next target (counted from the record at the end)."""
     note_failover(deployment, reason)
@@ -204,6 +221,24 @@ def _reader(state: GatewayState, component: str, attribute: str) -> Callable[[],
         return value() if callable(value) else value
 
     return read
+
+
+def metrics_guard(token: str | None, handler: Handler) -> Handler:
+    """``handler`` behind ``Authorization: Bearer <METRICS_TOKEN>`` when a token is set.
+
+    The comparison is constant-time over the token's digest, like the admin token's.
+    """
+    if not token:
+        return handler
+    expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
+
+    async def guarded(request: web.Request) -> web.StreamResponse:
+        sent = hashlib.sha256(request.headers.get("Authorization", "").encode()).digest()
+        if not hmac.compare_digest(sent, expected):
+            raise MetricsUnauthorized()
+        return await handler(request)
+
+    return guarded
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:

@@ -34,6 +34,7 @@ from gateway.auth.keys import DEV_KEY, KeyStore
 from gateway.core.config import GatewayConfig, Settings
 from gateway.edge.app import build_management_app, gateway_state
 from gateway.edge.server import SUPERVISOR_PID_ENV
+from gateway.http.parser_errors import ContractAppRunner
 from gateway.observability.metrics import CONTENT_TYPE
 
 __all__ = ["WorkerPool", "supervise_workers"]
@@ -196,7 +197,7 @@ async def supervise_workers(
                 print(f"seeded development key: {DEV_KEY}", flush=True)
             await pool.start()
             app = build_management_app(state, metrics_handler=_aggregated_metrics(pool))
-            runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=5, access_log=None)
+            runner = ContractAppRunner(app, handle_signals=False, shutdown_timeout=5, access_log=None)
             await runner.setup()
             try:
                 await web.TCPSite(runner, settings.management_host, settings.management_port).start()

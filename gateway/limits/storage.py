@@ -16,6 +16,13 @@ this module gives them three storages and one small wrapper:
   ``hit`` (never consuming on rejection), ``stats``, and ``add`` (an unconditional
   charge or refund, for token usage known only after the call).
 
+Library internals: :class:`LocalStorage` overrides two name-mangled private methods of
+``limits``' ``MemoryStorage`` and :func:`_without_error_wrappers` unwraps its per-class
+error wrappers. Neither is public API, so ``limits`` is pinned to the tested major
+(``limits>=5.0,<6`` in setup.cfg), and ``tests/test_limiter.py`` fails when an upgrade
+inside that range renames what these rely on (the override would then be silently dead:
+a sweep per event-loop turn, under the key's lock).
+
 Why one module of ~560 lines: the three storages (memory, Redis, PostgreSQL) implement one
 interface and share the window arithmetic; side by side they are easy to keep in step.
 """

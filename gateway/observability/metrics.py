@@ -282,6 +282,11 @@ class GatewayMetrics:
             "gateway_upstream_retries_total", "Upstream attempts repeated, by provider and reason (status or error).",
             ["provider", "reason"], registry=r,
         )
+        self.upstream_auth_failures = Counter(
+            "gateway_upstream_auth_failures_total",
+            "Provider answers of 401/403: the gateway's own credential for that provider was refused.",
+            ["provider"], registry=r,
+        )
         self.failovers = Counter(
             "gateway_upstream_failovers_total",
             "Times a call moved on to another deployment or fallback group, by requested model.",
@@ -359,6 +364,10 @@ class GatewayMetrics:
     def retried(self, provider: str, reason: str) -> None:
         """Count one repeated upstream attempt."""
         self._retries(provider, self._small(reason)).inc()
+
+    def upstream_auth_failed(self, provider: str) -> None:
+        """Count one provider answer refusing the gateway's credential."""
+        self.upstream_auth_failures.labels(provider).inc()
 
     def watch_actors(self, refs: Callable[[], Iterable[_ActorView]]) -> None:
         """Read mailbox depth, restarts and liveness of these actor handles at each scrape."""

@@ -51,6 +51,7 @@ __all__ = [
     "Tracing",
     "note_failover",
     "note_retry",
+    "note_upstream_error",
 ]
 
 log = logging.getLogger("gateway.tracing")
@@ -91,6 +92,7 @@ GATEWAY_RETRIES = "llm_gateway.retries"
 GATEWAY_FAILOVERS = "llm_gateway.failovers"
 #: Span event names.
 EVENT_RETRY = "llm_gateway.retry"
+EVENT_UPSTREAM_ERROR = "llm_gateway.upstream_error"
 EVENT_FAILOVER = "llm_gateway.failover"
 
 TRACEPARENT = "traceparent"
@@ -299,6 +301,13 @@ def note_retry(provider: str, attempt: int, reason: str) -> None:
     span = trace.get_current_span()
     if span.is_recording():
         span.add_event(EVENT_RETRY, {GATEWAY_PROVIDER: provider, "attempt": attempt, "reason": reason})
+
+
+def note_upstream_error(deployment: str, error: str, detail: str) -> None:
+    """Add an upstream-error event (the full detail the client never sees) to the chat span."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        span.add_event(EVENT_UPSTREAM_ERROR, {GATEWAY_DEPLOYMENT: deployment, ERROR_TYPE: error, "detail": detail})
 
 
 def note_failover(from_deployment: str, reason: str) -> None:

@@ -29,27 +29,37 @@ async def iter_events(
     event) are yielded at the end, terminated, so nothing the provider sent is lost.
     """
     buf = bytearray()
-    scan_from = 0
+    scan_from = 0  # where the next search for a blank line starts; never rescans a byte
+    held_cr = False  # the previous chunk ended in "\r": it may be half of a CRLF
     async for chunk in chunks:
         if not chunk:
             continue
-        if b"\r" in chunk or (buf and buf[-1:] == b"\r"):
-            buf += chunk
-            buf[:] = buf.replace(b"\r\n", b"\n")
-        else:
-            buf += chunk
+        if held_cr:
+            chunk = b"\r" + chunk
+        held_cr = chunk.endswith(b"\r")
+        if held_cr:
+            chunk = chunk[:-1]
+        # Folding each chunk on its own (with a held trailing CR) keeps the work linear
+        # and never moves bytes already scanned, whatever the split.
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n")
+        buf += chunk
+        start = 0
         while True:
-            end = buf.find(b"\n\n", scan_from)
+            end = buf.find(b"\n\n", max(scan_from, start))
             if end < 0:
-                scan_from = max(0, len(buf) - 1)
-                if len(buf) > max_event_bytes:
-                    raise EventTooLarge(f"SSE event over {max_event_bytes} bytes")
                 break
-            event = bytes(buf[: end + 2])
-            del buf[: end + 2]
-            scan_from = 0
+            event = bytes(buf[start : end + 2])
+            start = end + 2
             if event.strip():
                 yield event
+        if start:
+            del buf[:start]  # one deletion per chunk, not one per event
+        scan_from = max(0, len(buf) - 1)
+        if len(buf) > max_event_bytes:
+            raise EventTooLarge(f"SSE event over {max_event_bytes} bytes")
+    if held_cr:
+        buf += b"\r"  # a lone CR at the very end: keep the byte
     tail = bytes(buf).strip(b"\n")
     if tail.strip():
         yield tail + b"\n\n"

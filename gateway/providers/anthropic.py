@@ -31,6 +31,7 @@ from gateway.protocols.anthropic import (
 from gateway.protocols.anthropic_stream import ChunksFromEvents, StreamBroken
 from gateway.protocols.sse import iter_events
 from gateway.providers.base import (
+    IDENTITY_ENCODING,
     Provider,
     Timeouts,
     UpstreamProtocolError,
@@ -38,6 +39,7 @@ from gateway.providers.base import (
     client_timeout,
     fetch_model_ids,
     map_transport_errors,
+    read_whole,
 )
 
 __all__ = [
@@ -87,6 +89,7 @@ class AnthropicProvider(Provider):
         self._headers: dict[str, str] = {
             "Content-Type": "application/json",
             "anthropic-version": ANTHROPIC_VERSION,
+            **IDENTITY_ENCODING,
             **dict(config.headers),
         }
         # x-api-key is added per call by keyed_headers(), so a rotated key file takes effect.
@@ -116,6 +119,7 @@ class AnthropicProvider(Provider):
                 data=payload,
                 headers=send_headers,
                 timeout=client_timeout(timeouts or self.timeouts, stream=stream),
+                auto_decompress=True,
             )
         try:
             content_type = resp.headers.get("Content-Type", "")
@@ -129,8 +133,7 @@ class AnthropicProvider(Provider):
                     events=_translated_events(resp, translator),
                     _release=resp.release,
                 )
-            with map_transport_errors():
-                raw = await resp.read()
+            raw = await read_whole(resp, self.config.max_response_bytes)
         except BaseException:
             resp.close()
             raise
@@ -153,7 +156,7 @@ class AnthropicProvider(Provider):
             return UpstreamReply(
                 status=resp.status, headers=_JSON_HEADERS, events=_replay_whole(message, translator)
             )
-        return UpstreamReply(status=resp.status, headers=reply_headers, body=orjson.dumps(answer))
+        return UpstreamReply(status=resp.status, headers=reply_headers, body=orjson.dumps(answer), answer=answer)
 
 
     async def messages(

@@ -30,10 +30,21 @@ __all__ = [
     "UpstreamProtocolError",
     "UpstreamReply",
     "UpstreamTimeoutError",
+    "IDENTITY_ENCODING",
+    "UpstreamBodyTooLarge",
+    "UpstreamCredentialRejected",
     "client_timeout",
+    "error_detail",
     "fetch_model_ids",
     "map_transport_errors",
+    "read_whole",
 ]
+
+#: Sent with every provider request. aiohttp offers ``gzip, deflate`` by default, and the
+#: session does not decompress by itself; asking for identity spares the CPU, and each
+#: call still passes ``auto_decompress=True`` so an upstream (or a proxy in front of
+#: it) that compresses anyway is decoded, whole answers and streams alike.
+IDENTITY_ENCODING = {"Accept-Encoding": "identity"}
 
 
 class ProviderError(Exception):
@@ -57,19 +68,43 @@ class UpstreamProtocolError(ProviderError):
     """The provider answered something that is not HTTP/JSON/SSE as promised."""
 
 
+class UpstreamCredentialRejected(ProviderError):
+    """The provider answered 401/403: it refused the gateway's credential for it.
+
+    Such a call was refused, not run, so moving on to another deployment is safe.
+    """
+
+    maybe_delivered = False
+
+
+class UpstreamBodyTooLarge(UpstreamProtocolError):
+    """A whole answer grew past the provider's ``max_response_bytes``."""
+
+
 def _translated(exc: BaseException) -> ProviderError | None:
-    """The ProviderError for an aiohttp/asyncio failure, most specific first; else None."""
+    """The ProviderError for an aiohttp/asyncio failure, most specific first; else None.
+
+    Messages are fixed phrases: aiohttp's own text names hosts, addresses and URLs of
+    the upstream, which must not reach a client. The original stays the ``__cause__``,
+    for the log line and the span.
+    """
     if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ClientConnectorDNSError):
-        return UpstreamConnectError(str(exc) or type(exc).__name__)
+        return UpstreamConnectError("could not connect to the provider")
     if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
         return UpstreamTimeoutError("upstream timed out")
     if isinstance(exc, EventTooLarge):
         return UpstreamProtocolError(f"upstream stream broken: {exc}")
     if isinstance(exc, aiohttp.ClientPayloadError):
-        return UpstreamProtocolError(f"upstream body broken: {exc}")
+        return UpstreamProtocolError("upstream body broken")
     if isinstance(exc, aiohttp.ClientError | ConnectionError):
-        return UpstreamProtocolError(f"upstream connection failed: {type(exc).__name__}: {exc}")
+        return UpstreamProtocolError("upstream connection failed")
     return None
+
+
+def error_detail(exc: ProviderError) -> str:
+    """``exc`` with its foreign cause, for the log and the span only (never a client)."""
+    cause = exc.__cause__
+    return f"{exc}: {type(cause).__name__}: {cause}" if cause is not None else str(exc)
 
 
 class _TransportErrorMap:
@@ -126,6 +161,9 @@ class UpstreamReply:
     status: int
     headers: Mapping[str, str]
     body: bytes = b""
+    #: ``body`` parsed, when the provider already parsed it (a 2xx whole answer is
+    #: checked to be a JSON object): usage and the cache read this instead of parsing again.
+    answer: dict[str, Any] | None = None
     events: AsyncIterator[bytes] | None = None
     #: The upstream response id and model, when known before the body is read.
     extra: dict[str, Any] = field(default_factory=dict)
@@ -246,6 +284,25 @@ class Provider:
         """Release what the provider holds beyond the shared session."""
 
 
+async def read_whole(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The (decoded) body of ``resp``, refusing past ``limit`` bytes.
+
+    Raises :class:`UpstreamBodyTooLarge` as soon as the declared length or the bytes
+    read so far pass the bound, like the SSE reader's bound on one event, so a provider
+    answering without end costs at most ``limit`` bytes of memory.
+    """
+    declared = resp.content_length
+    if declared is not None and declared > limit and not resp.headers.get("Content-Encoding"):
+        raise UpstreamBodyTooLarge(f"upstream answer of {declared} bytes is over the {limit}-byte limit")
+    body = bytearray()
+    with map_transport_errors():
+        async for chunk in resp.content.iter_chunked(256 * 1024):
+            body += chunk
+            if len(body) > limit:
+                raise UpstreamBodyTooLarge(f"upstream answer is over the {limit}-byte limit")
+    return bytes(body)
+
+
 def client_timeout(timeouts: Timeouts, *, stream: bool) -> aiohttp.ClientTimeout:
     """aiohttp's timeout for one call: a whole answer has a total, a stream an idle bound."""
     if stream:
@@ -256,6 +313,7 @@ def client_timeout(timeouts: Timeouts, *, stream: bool) -> aiohttp.ClientTimeout
 
 #: A model list is a convenience: never wait long for it.
 _LIST_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+_LIST_MAX_BYTES = 8 * 1024 * 1024
 
 
 async def fetch_model_ids(
@@ -266,8 +324,10 @@ async def fetch_model_ids(
     Raises ProviderError when the provider cannot be reached or answers no such list.
     """
     with map_transport_errors():
-        async with session.get(url, headers=headers, timeout=_LIST_TIMEOUT) as resp:
-            payload = await resp.read()
+        async with session.get(
+            url, headers={**headers, **IDENTITY_ENCODING}, timeout=_LIST_TIMEOUT, auto_decompress=True
+        ) as resp:
+            payload = await read_whole(resp, _LIST_MAX_BYTES)
     if resp.status != 200:
         raise UpstreamProtocolError(f"model list answered {resp.status}")
     try:

@@ -16,6 +16,7 @@ import orjson
 from gateway.core.config import ProviderConfig
 from gateway.protocols.sse import iter_events
 from gateway.providers.base import (
+    IDENTITY_ENCODING,
     Provider,
     Timeouts,
     UpstreamProtocolError,
@@ -23,6 +24,7 @@ from gateway.providers.base import (
     client_timeout,
     fetch_model_ids,
     map_transport_errors,
+    read_whole,
 )
 
 __all__ = ["OpenAIProvider"]
@@ -42,7 +44,9 @@ class OpenAIProvider(Provider):
         self._chat_url = f"{config.base_url}/chat/completions"
         self._embeddings_url = f"{config.base_url}/embeddings"
         # The key is added per call by keyed_headers(), so a rotated key file takes effect.
-        self._headers: dict[str, str] = {"Content-Type": "application/json", **dict(config.headers)}
+        self._headers: dict[str, str] = {
+            "Content-Type": "application/json", **IDENTITY_ENCODING, **dict(config.headers)
+        }
         self._whole_timeout = client_timeout(self.timeouts, stream=False)
         self._stream_timeout = client_timeout(self.timeouts, stream=True)
         self._address = urlsplit(config.base_url).hostname
@@ -84,7 +88,9 @@ class OpenAIProvider(Provider):
         else:
             timeout = client_timeout(timeouts, stream=stream)
         with map_transport_errors():
-            resp = await self._session.post(url, data=data, headers=send_headers, timeout=timeout)
+            resp = await self._session.post(
+                url, data=data, headers=send_headers, timeout=timeout, auto_decompress=True
+            )
         try:
             content_type = resp.headers.get("Content-Type", "")
             if stream and resp.status < 300 and content_type.startswith("text/event-stream"):
@@ -94,18 +100,16 @@ class OpenAIProvider(Provider):
                     events=_events(resp),
                     _release=resp.release,
                 )
-            with map_transport_errors():
-                payload = await resp.read()
+            payload = await read_whole(resp, self.config.max_response_bytes)
         except BaseException:
             resp.close()
             raise
         resp.release()
-        if resp.status < 300:
-            _check_whole_answer(payload, content_type, stream=stream)
-        return UpstreamReply(status=resp.status, headers=resp.headers, body=payload)
+        answer = _checked_whole_answer(payload, content_type, stream=stream) if resp.status < 300 else None
+        return UpstreamReply(status=resp.status, headers=resp.headers, body=payload, answer=answer)
 
 
-def _check_whole_answer(payload: bytes, content_type: str, *, stream: bool) -> None:
+def _checked_whole_answer(payload: bytes, content_type: str, *, stream: bool) -> dict[str, Any]:
     """A 2xx answer must be what was asked for; anything else is the provider's failure.
 
     Relaying an HTML page or half a JSON document with our 200 would hand the client a
@@ -121,6 +125,7 @@ def _check_whole_answer(payload: bytes, content_type: str, *, stream: bool) -> N
         raise UpstreamProtocolError("upstream answered a body that is not JSON") from None
     if not isinstance(answer, dict):
         raise UpstreamProtocolError("upstream answered JSON that is not an object")
+    return answer  # parsed once: handed on in the reply, never parsed again
 
 
 async def _events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:

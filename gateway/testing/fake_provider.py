@@ -4,7 +4,7 @@ Tests and the benchmark run it on 127.0.0.1 in place of a real provider::
 
     python -m gateway.testing.fake_provider --host 127.0.0.1 --port 9100 \
         [--latency-ms N] [--chunks N] [--chunk-delay-ms N] [--cost] \
-        [--require-key KEY] [--uvloop]
+        [--require-key KEY] [--compress accepted|always] [--uvloop]
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``POST /v1/messages``,
 ``POST /v1/messages/count_tokens`` and ``GET /v1/models``. Offered ``tools``, both
@@ -91,6 +91,10 @@ class FakeConfig:
     """Add a Venice-style ``cost`` object to OpenAI answers and usage chunks."""
     require_key: str | None = None
     """When set, the key clients must send (``Authorization: Bearer`` / ``x-api-key``)."""
+    compress: str | None = None
+    """Compress chat, messages and embeddings answers (whole and streamed) with gzip:
+    ``"accepted"`` when the request's ``Accept-Encoding`` allows it (as most providers
+    do), ``"always"`` even when it asked for identity (a misbehaving proxy)."""
 
 
 @dataclass(slots=True)
@@ -264,6 +268,17 @@ def _validate_step(step: Any) -> str | None:
 
 
 # --------------------------------------------------------------------------- answers
+_COMPRESS_MODES: Final[frozenset[str]] = frozenset({"accepted", "always"})
+
+
+def _compressed(response: web.StreamResponse, config: FakeConfig) -> web.StreamResponse:
+    """``response`` with gzip turned on as ``config.compress`` says (before it is prepared)."""
+    if config.compress == "always":
+        response.enable_compression(web.ContentCoding.gzip)
+    elif config.compress == "accepted":
+        response.enable_compression()  # aiohttp picks gzip/deflate from Accept-Encoding, or none
+    return response
+
 
 
 def _status_response(wire: _Wire, step: Mapping[str, Any]) -> web.Response:
@@ -341,6 +356,7 @@ async def _stream(
     """
     response = web.StreamResponse(headers={"Cache-Control": "no-cache"})
     response.content_type = "text/event-stream"
+    _compressed(response, state.config)
     state.streams_started += 1
     try:
         await response.prepare(request)
@@ -402,10 +418,10 @@ async def _answer(request: web.Request, wire: _Wire) -> web.StreamResponse:
         if call is not None:
             return _json(openai_tool_completion(body, call, response_id=f"chatcmpl-fake-{n}", created=int(time.time())))
         if wire.anthropic:
-            return _json(anthropic_message(body, message_id=f"msg_fake_{n}"))
-        return _json(
+            return _compressed(_json(anthropic_message(body, message_id=f"msg_fake_{n}")), config)
+        return _compressed(_json(
             completion(body, response_id=f"chatcmpl-fake-{n}", created=int(time.time()), cost=config.cost)
-        )
+        ), config)
     if wire.anthropic:
         events = anthropic_stream_events(body, message_id=f"msg_fake_{n}", n_chunks=chunks)
         tail = b""
@@ -486,7 +502,7 @@ async def _embeddings(request: web.Request) -> web.StreamResponse:
         raise
     if "status" in step:
         return _status_response(_OPENAI, step)
-    return _json(embeddings(body))
+    return _compressed(_json(embeddings(body)), state.config)
 
 
 async def _models(request: web.Request) -> web.StreamResponse:
@@ -582,6 +598,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-delay-ms", type=_non_negative_int, default=0)
     parser.add_argument("--cost", action="store_true", help="add Venice-style cost objects")
     parser.add_argument("--require-key", default=None, metavar="KEY")
+    parser.add_argument("--compress", choices=sorted(_COMPRESS_MODES), default=None,
+                        help="gzip answers: when Accept-Encoding allows it, or always")
     parser.add_argument("--uvloop", action="store_true", help="use uvloop when installed")
     return parser
 
@@ -614,6 +632,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         chunk_delay_ms=args.chunk_delay_ms,
         cost=args.cost,
         require_key=args.require_key,
+        compress=args.compress,
     )
     coro = _serve(args.host, args.port, config)
     try:

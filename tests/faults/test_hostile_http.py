@@ -319,3 +319,27 @@ async def test_malformed_http_is_refused_without_logging_its_bytes(
     with socket.create_connection(("127.0.0.1", gw.port)) as s:  # still serving
         s.sendall(b"GET /healthz HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n")
         assert s.recv(100).startswith(b"HTTP/1.1 200")
+
+
+async def test_requests_the_parser_refuses_get_the_contract_json_error(
+    start_gateway: Any, fake: FakeUpstream, api_key: str
+) -> None:
+    """Fault: requests aiohttp's HTTP parser refuses before the app sees them, on both planes.
+
+    Visible: a 400 with the contract's JSON error body and an ``x-request-id``, not
+    aiohttp's ``text/plain`` "400 Bad Request"; the connection is closed.
+    """
+    gw = await start_gateway(fake)
+    for port in (gw.port, gw.management_port):
+        for raw_request in (
+            _request(api_key, extra_headers=b"X-Big: " + b"a" * 40_000 + b"\r\n"),
+            b"GET / HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n",
+            b"GET /healthz HTTP/1.1\r\nHost: gw\r\nBad Header\r\n\r\n",
+        ):
+            status, headers, body = await _raw_exchange(port, raw_request)
+            assert status == 400, body[:200]
+            names = dict(headers)
+            assert names.get("content-type", "").startswith("application/json"), headers
+            assert re.fullmatch(r"[0-9a-f]{32}", names.get("x-request-id", "")), headers
+            error = assert_error_shape(status, body)
+            assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_http_request")

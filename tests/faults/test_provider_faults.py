@@ -186,7 +186,10 @@ async def test_garbage_with_200_is_an_upstream_error_never_relayed_as_an_answer(
                 assert_contract_answer(answer, allowed={502})
                 assert answer.json()["error"]["code"] == "upstream_unavailable", (garbage, stream)
                 answers.append(answer)
-    retrying = await start_gateway(fake, circuit_breaker=PATIENT_BREAKER)  # default retries: garbage once, then a good answer
+    # Default retries: garbage once, then a good answer. A 200 with garbage was delivered
+    # (and maybe billed): resending it is what retry_on_timeout (off by default) allows.
+    resending = {"type": "openai", "base_url": fake.url, "api_key": "sk-fake-provider-secret", "retry_on_timeout": True}
+    retrying = await start_gateway(fake, circuit_breaker=PATIENT_BREAKER, providers={"fake": resending})
     async with aiohttp.ClientSession() as session:
         for stream in (False, True):
             await fake.script({"garbage": "json"})

@@ -101,7 +101,9 @@ async def test_a_representative_session_leaks_no_secret_anywhere(
             assert status == 200
         await fake.script({"status": 500})
         assert (await call("POST", f"{data}/v1/chat/completions", json=chat_body(prompt), headers=auth(api_key)))[0] == 500
-        assert (await call("POST", f"{data}/v1/chat/completions", json=chat_body(prompt, model="other-model"), headers=auth(api_key)))[0] == 401
+        # The other provider refuses the gateway's (wrong) key: a 502, never the client's 401.
+        status, body = await call("POST", f"{data}/v1/chat/completions", json=chat_body(prompt, model="other-model"), headers=auth(api_key))
+        assert status == 502 and b"upstream_auth_failed" in body, body
         assert (await call("POST", f"{data}/v1/chat/completions", json=chat_body(prompt, model="nowhere"), headers=auth(api_key)))[0] == 404
         assert (await call("POST", f"{data}/v1/chat/completions", data=b"{not json " + marker.encode(), headers=auth(api_key)))[0] == 400
         assert (await call("POST", f"{data}/v1/chat/completions", json=chat_body(prompt), headers=auth(f"llmg_wrong{run}")))[0] == 401
@@ -190,7 +192,7 @@ async def test_a_provider_key_file_rotated_is_used_without_a_restart(
     the gateway runs; the operator replaces the content of the key file it was given as
     ``${NAME}`` with ``NAME_FILE`` (the Docker/Kubernetes secrets convention).
 
-    Visible: calls fail with the provider's own 401 while the file holds the old key,
+    Visible: calls fail with 502 upstream_auth_failed while the file holds the old key,
     and succeed again within about a second of the file's change, with no restart (the
     same process id answers). The new key appears nowhere in the gateway's log. No
     ledger check (the calls are ordinary).
@@ -211,7 +213,7 @@ async def test_a_provider_key_file_rotated_is_used_without_a_restart(
 
         assert await status() == 200
         fake.server.app[STATE_KEY].config = FakeConfig(require_key=new_key)  # rotated upstream
-        assert await status() == 401  # the provider's own answer, relayed
+        assert await status() == 502  # the provider refused our key: upstream_auth_failed, not the client's 401
         staged = tmp_path / "provider.key.new"
         staged.write_text(new_key + "\n")
         os.replace(staged, key_file)  # atomically, as secret mounts do
