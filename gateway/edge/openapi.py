@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway import __version__
 from gateway.admin.audit import ACTIONS
 from gateway.admin.cache import KEY_PATTERN, MAX_GROUP_LEN
 from gateway.admin.input import DEFAULT_BUDGET_PERIOD, GROUP_BYS, MAX_GRACE, MAX_PAGE
@@ -25,7 +26,7 @@ from gateway.auth.keys import BUDGET_PERIODS, KEY_STATES, MAX_BUDGET_USD, MAX_IN
 __all__ = ["data_plane_document", "document_handler", "management_document"]
 
 OPENAPI_VERSION = "3.1.0"
-API_VERSION = "0.1.0"
+API_VERSION = __version__
 
 JSON = "application/json"
 _ERROR_REF = {"$ref": "#/components/schemas/Error"}
@@ -566,8 +567,13 @@ _MODEL_LIST = {
 _READY = {
     "type": "object", "required": ["status", "checks"],
     "properties": {
-        "status": {"enum": ["ok", "unavailable"]},
-        "checks": {"type": "object", "additionalProperties": {"type": "string"}},
+        "status": {"enum": ["ok", "degraded", "unavailable"]},
+        "checks": {
+            "type": "object", "additionalProperties": {"type": "string"},
+            "description": "every check (server, database, actor:NAME, key_invalidation, rate_limits) "
+                           "with its state: ok, or what is wrong",
+        },
+        "degraded": {"type": "object", "additionalProperties": {"type": "string"}},
     },
 }
 
