@@ -6,7 +6,7 @@
 FROM python:3.12-slim AS build
 WORKDIR /src
 RUN pip install --no-cache-dir --upgrade pip wheel
-COPY pyproject.toml setup.cfg README.md ./
+COPY pyproject.toml setup.cfg README.md LICENSE ./
 COPY gateway ./gateway
 COPY actors ./actors
 COPY sql ./sql

@@ -69,6 +69,7 @@ __all__ = [
     "Permit",
     "Release",
     "StorageDown",
+    "describe_ip_guard",
     "reset_header",
 ]
 
@@ -308,9 +309,8 @@ class LimiterActor(Actor[CheckIp | Acquire]):
 
     def _describe(self) -> str:
         assert self._shared is not None and self._requests is not None
-        ip = ", ".join(str(i) for i in self._ip_items) or "off"
         return (
-            f"per-IP {ip} and tokens in {self._shared.name}, per-key requests in {self._requests.name} "
+            f"{describe_ip_guard(self._settings)}; tokens in {self._shared.name}, per-key requests in {self._requests.name} "
             f"({self._requests.primary.strategy.__class__.__name__}), concurrency in "
             f"{'redis' if self._redis is not None else 'memory'}"
         )
@@ -777,6 +777,22 @@ def _copy_outcome(source: asyncio.Future[Decision], target: asyncio.Future[Decis
         target.set_exception(exc)
     else:
         target.set_result(source.result())
+
+
+def describe_ip_guard(settings: RateLimitSettings) -> str:
+    """The flood guard as configured (``rate_limits.per_ip`` as written, the spelling of
+    README and the config file), then the windows :func:`_ip_items` derives from it."""
+    if settings.per_ip == "off":
+        return "per-IP off"
+    rate = parse(settings.per_ip)
+    burst = rate.amount if settings.per_ip_burst is None else settings.per_ip_burst
+    if burst <= 0:
+        return f"per-IP {settings.per_ip} (no burst)"
+    period = rate.get_expiry()
+    return (
+        f"per-IP {settings.per_ip} with a burst of {burst} (at most {rate.amount + burst} in {period} s"
+        f" and {rate.amount * 10} in {period * 10} s per address)"
+    )
 
 
 def _ip_items(settings: RateLimitSettings) -> tuple[RateLimitItem, ...]:

@@ -20,13 +20,21 @@ from urllib.parse import urlsplit
 
 import asyncpg
 
+from gateway import __version__
 from gateway.admin.input import MAX_GRACE
-from gateway.auth.keys import KeyNotFound, KeyPolicy, KeyRecord, KeyStore
+from gateway.auth.keys import (
+    DEFAULT_KEY_RPM,
+    DEFAULT_KEY_WINDOW_SECONDS,
+    KeyNotFound,
+    KeyPolicy,
+    KeyRecord,
+    KeyStore,
+)
 from gateway.billing.budgets import SubjectBudgetStore
 from gateway.billing.reports import GROUPS, UsageQuery, format_table, parse_time, usage_report
 from gateway.core.config import ConfigError, GatewayConfig, Settings, load_config, load_settings
 from gateway.core.db import DatabaseUnavailable, EmbeddedUnavailable, connect_pool, migrate
-from gateway.edge.server import resolve_database_url, run, serve
+from gateway.edge.server import AddressUnavailable, check_addresses, resolve_database_url, run, serve
 from gateway.edge.workers import supervise_workers
 from gateway.observability.logs import LOG_FORMATS, LogSetup, configure_logging
 
@@ -42,6 +50,22 @@ _MAX_LIMIT = 2**31 - 1
 _MAX_DAYS = 36_500
 #: ``budget_usd`` is numeric(14, 6): amounts must stay below 10^8.
 _MAX_BUDGET = Decimal(10) ** 8
+
+
+_SERVE_DESCRIPTION = """\
+Apply the database migrations, then serve the data plane (BIND_ADDR: the
+OpenAI-compatible API for clients) and the management plane (MANAGEMENT_BIND_ADDR:
+/metrics and /admin/*) until SIGINT or SIGTERM, then drain in-flight requests for up
+to SHUTDOWN_GRACE_SECONDS.
+
+With no DATABASE_URL it starts an embedded PostgreSQL and seeds the development key;
+with no provider configured the built-in mock provider answers every model offline."""
+
+_ENVIRONMENT_EPILOG = """\
+Configuration comes from environment variables: BIND_ADDR, MANAGEMENT_BIND_ADDR,
+DATABASE_URL, REDIS_URL, GATEWAY_CONFIG (the config file), VENICE_API_KEY, ADMIN_TOKEN,
+LOG_LEVEL, LOG_FORMAT and more; README's "Configuration" section lists every one with
+its default (conf/gateway.example.yaml shows the config file)."""
 
 
 class CommandError(Exception):
@@ -120,10 +144,15 @@ def _time(name: str) -> Callable[[str], datetime]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="llm-gateway", description="An OpenAI-compatible LLM gateway.")
+    parser = _Parser(prog="llm-gateway", description="An OpenAI-compatible LLM gateway.", epilog=_ENVIRONMENT_EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"llm-gateway {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve_cmd = commands.add_parser("serve", help="apply migrations, then serve both planes")
+    serve_cmd = commands.add_parser(
+        "serve", help="apply migrations, then serve both planes",
+        description=_SERVE_DESCRIPTION, epilog=_ENVIRONMENT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     serve_cmd.add_argument("--no-migrate", action="store_true", help="skip migrations (run them as a release step)")
     serve_cmd.add_argument("--workers", type=_positive_int, default=1,
                            help="data-plane processes sharing BIND_ADDR (SO_REUSEPORT); default 1")
@@ -131,17 +160,25 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--log-format", default=os.environ.get("LOG_FORMAT", "json"), choices=LOG_FORMATS,
                            help="json: one object per line (default); text: for humans")
     serve_cmd.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "info"),
-                           choices=["debug", "info", "warning", "error"])
+                           choices=["debug", "info", "warning", "error"],
+                           help="least severe log line written to stderr (default info, or LOG_LEVEL)")
 
     commands.add_parser("migrate", help="apply sql/*.sql once each, in name order")
 
     keys = commands.add_parser("keys", help="create, list, revoke and rotate gateway keys")
     key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
-    create = key_commands.add_parser("create", help="create a key and print it once")
+    create = key_commands.add_parser(
+        "create", help="create a key and print it once",
+        description="Create a key and print it once. With no limit options a key may make "
+                    f"{DEFAULT_KEY_RPM} requests per {DEFAULT_KEY_WINDOW_SECONDS} seconds, with no token, "
+                    "concurrency or budget limit.",
+    )
     create.add_argument("--name", required=True)
     create.add_argument("--subject", type=_uuid, help="subject (tenant) UUID; new if omitted")
-    create.add_argument("--rpm", type=_positive_int, default=60, help="requests per window (default 60)")
-    create.add_argument("--window-seconds", type=_positive_int, default=60, help="window length (default 60)")
+    create.add_argument("--rpm", type=_positive_int, default=DEFAULT_KEY_RPM,
+                        help=f"requests per window (default {DEFAULT_KEY_RPM})")
+    create.add_argument("--window-seconds", type=_positive_int, default=DEFAULT_KEY_WINDOW_SECONDS,
+                        help=f"window length in seconds (default {DEFAULT_KEY_WINDOW_SECONDS})")
     create.add_argument("--tpm", type=_positive_int, help="tokens per minute")
     create.add_argument("--max-concurrent", type=_positive_int, help="concurrent requests in flight")
     create.add_argument("--budget-usd", type=_budget, help="spend cap in USD per period")
@@ -347,6 +384,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             logs.add_secrets([settings.admin_token, settings.venice_api_key])
             config = load_config(settings)
             logs.add_secrets(_secrets(settings, config))
+            if args.worker_socket is None:  # a worker shares its port with its siblings
+                check_addresses(settings)  # before the embedded database or any line on stdout
             dsn, embedded = resolve_database_url(settings)
             if args.workers > 1:
                 run(supervise_workers(
@@ -371,6 +410,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"llm-gateway: configuration error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except (DatabaseUnavailable, EmbeddedUnavailable) as exc:
+        print(f"llm-gateway: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except AddressUnavailable as exc:
         print(f"llm-gateway: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyNotFound as exc:

@@ -88,6 +88,7 @@ async def test_a_redis_outage_falls_back_to_memory_and_heals(
     ready = await readiness()
     assert ready["status"] == "degraded"
     assert "rate_limits:redis" in ready["degraded"]
+    assert ready["checks"]["rate_limits"].startswith("degraded: redis")
     assert gw.state.limiter.degraded.keys() == {"redis"}
 
     await redis_proxy.restore()
@@ -96,7 +97,9 @@ async def test_a_redis_outage_falls_back_to_memory_and_heals(
         if not gw.state.limiter.degraded:
             break
         await asyncio.sleep(0.05)
-    assert (await readiness()) == {"status": "ok", "checks": {}}
+    recovered = await readiness()
+    assert recovered["status"] == "ok" and "degraded" not in recovered
+    assert set(recovered["checks"].values()) == {"ok"} and recovered["checks"]["rate_limits"] == "ok"
     # Redis is used again, with what it held: 4 taken before the cut, 6 left.
     statuses = [(await call()).status for _ in range(8)]
     assert statuses == [200] * 6 + [429] * 2

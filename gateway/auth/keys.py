@@ -19,7 +19,11 @@ from typing import Any, TypeAlias
 import asyncpg
 
 __all__ = [
+    "DEFAULT_KEY_RPM",
+    "DEFAULT_KEY_WINDOW_SECONDS",
     "DEV_KEY",
+    "DEV_KEY_RPM",
+    "DEV_KEY_WINDOW_SECONDS",
     "KEY_PREFIX_LEN",
     "KeyNotFound",
     "KeyPolicy",
@@ -36,6 +40,15 @@ KEY_PREFIX_LEN = 12
 KEY_MARK = "llmg_"
 #: Seeded only by an embedded-database ``serve``, for the quick start.
 DEV_KEY = "llmg_dev_0123456789abcdef"
+
+#: A new key's request window unless set (``keys create --rpm/--window-seconds``, the
+#: admin API): the columns' own defaults in ``sql/0001_api_keys.sql``.
+DEFAULT_KEY_RPM = 60
+DEFAULT_KEY_WINDOW_SECONDS = 60
+#: The development key's window: room for trying things out, a small load test
+#: included, where the default 60 per minute would answer 429 within a second.
+DEV_KEY_RPM = 100_000
+DEV_KEY_WINDOW_SECONDS = 60
 
 BUDGET_PERIODS = ("day", "month", "total")
 #: Largest value of an ``integer`` column, and the bound of ``numeric(14, 6)``.
@@ -95,8 +108,8 @@ def hash_key(raw: str) -> bytes:
 class KeyPolicy:
     """Limits and permissions attached to a key; ``None`` means not set."""
 
-    rate_limit_requests: int = 60
-    rate_limit_window_seconds: int = 60
+    rate_limit_requests: int = DEFAULT_KEY_RPM
+    rate_limit_window_seconds: int = DEFAULT_KEY_WINDOW_SECONDS
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
     budget_usd: Decimal | None = None
@@ -260,14 +273,28 @@ class KeyStore:
         )
         return raw, KeyRecord.from_row(row)
 
-    async def ensure(self, raw: str, name: str) -> bool:
-        """Insert ``raw`` as a key unless its prefix exists; True if inserted."""
-        result = await self._db.execute(
-            """INSERT INTO api_keys (subject_id, name, key_prefix, key_hash)
-            VALUES ($1, $2, $3, $4) ON CONFLICT DO NOTHING""",
-            uuid.uuid4(), name, raw[:KEY_PREFIX_LEN], hash_key(raw),
+    async def ensure(self, raw: str, name: str, *, requests: int, window_seconds: int) -> bool:
+        """Insert ``raw`` as a key allowing ``requests`` per ``window_seconds`` unless its
+        prefix exists; True if inserted.
+
+        The same key seeded earlier with the default window (60 per 60 s, before the
+        development key had its own) is raised to this one; a window an operator has
+        changed since is left alone.
+        """
+        inserted = await self._db.fetchval(
+            """INSERT INTO api_keys (subject_id, name, key_prefix, key_hash,
+                                     rate_limit_requests, rate_limit_window_seconds)
+            VALUES ($1, $2, $3, $4, $5, $6)
+            ON CONFLICT (key_prefix) DO UPDATE
+               SET rate_limit_requests = EXCLUDED.rate_limit_requests,
+                   rate_limit_window_seconds = EXCLUDED.rate_limit_window_seconds
+             WHERE api_keys.key_hash = EXCLUDED.key_hash
+               AND api_keys.rate_limit_requests = $7 AND api_keys.rate_limit_window_seconds = $8
+            RETURNING xmax = 0""",
+            uuid.uuid4(), name, raw[:KEY_PREFIX_LEN], hash_key(raw), requests, window_seconds,
+            DEFAULT_KEY_RPM, DEFAULT_KEY_WINDOW_SECONDS,
         )
-        return str(result).endswith(" 1")
+        return bool(inserted)
 
     async def list(
         self, *, subject_id: uuid.UUID | None = None, state: str | None = None,

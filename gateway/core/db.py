@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import asyncpg
@@ -114,7 +115,12 @@ def embedded_data_dir(home: Path) -> Path:
 def embedded_database_url(home: Path) -> str:
     """Start (or reuse) the embedded PostgreSQL and return its URL."""
     try:
-        import pgserver  # type: ignore[import-untyped]
+        with warnings.catch_warnings():
+            # pgserver asks platformdirs for a runtime directory when it is imported, which
+            # warns on stderr wherever XDG_RUNTIME_DIR is unset (root, containers, cron)
+            # and then uses /tmp/runtime-$UID anyway: nothing the user can or must act on.
+            warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR")
+            import pgserver  # type: ignore[import-untyped]
     except ImportError:
         raise EmbeddedUnavailable(
             "no embedded PostgreSQL on this machine (pgserver not installed); set DATABASE_URL"

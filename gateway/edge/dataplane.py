@@ -20,6 +20,8 @@ from gateway.http.state import STATE
 __all__ = ["embeddings", "healthz", "list_models", "readyz"]
 
 _OK = orjson.dumps({"status": "ok"})
+#: The state of a ``/readyz`` check that passed; any other value says what is wrong.
+_CHECK_OK = "ok"
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -28,28 +30,34 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """Ready when the database answers and every actor runs; else 503 with what is wrong."""
+    """Ready when the database answers, every actor runs and key changes are heard;
+    else 503. ``checks`` names every check with its state, ``ok`` or what is wrong, so
+    a healthy answer shows what was checked, not an empty object."""
     state = request.app[STATE]
-    problems: dict[str, str] = {}
-    if state.draining:
-        problems["server"] = "shutting down"
+    checks: dict[str, str] = {"server": "shutting down" if state.draining else _CHECK_OK}
     try:
         async with asyncio.timeout(1.0):
             await state.pool.fetchval("SELECT 1")
+        checks["database"] = _CHECK_OK
     except Exception as exc:  # noqa: BLE001 - any failure means "not ready"
-        problems["database"] = f"unreachable: {type(exc).__name__}"
-    for name in state.supervisor.not_running():
-        problems[f"actor:{name}"] = "not running"
-    if not state.auth.listening:
-        problems["key_invalidation"] = "not listening for key changes"
-    body: dict[str, object] = {"status": "ok" if not problems else "unavailable", "checks": problems}
+        checks["database"] = f"unreachable: {type(exc).__name__}"
+    stopped = set(state.supervisor.not_running())
+    for name in sorted(ref.name for ref in state.supervisor.refs()):
+        checks[f"actor:{name}"] = "not running" if name in stopped else _CHECK_OK
+    checks["key_invalidation"] = _CHECK_OK if state.auth.listening else "not listening for key changes"
+    ready = all(value == _CHECK_OK for value in checks.values())
     # Degraded is still ready: limits keep working from memory (docs/rate-limits.md).
     degraded = {f"rate_limits:{name}": why for name, why in state.limiter.degraded.items()}
+    checks["rate_limits"] = (
+        "degraded: " + "; ".join(f"{name}: {why}" for name, why in state.limiter.degraded.items())
+        if degraded else _CHECK_OK
+    )
+    body: dict[str, object] = {"status": "ok" if ready else "unavailable", "checks": checks}
     if degraded:
         body["degraded"] = degraded
-        if not problems:
+        if ready:
             body["status"] = "degraded"
-    return web.Response(status=200 if not problems else 503, body=orjson.dumps(body), content_type="application/json")
+    return web.Response(status=200 if ready else 503, body=orjson.dumps(body), content_type="application/json")
 
 
 async def list_models(request: web.Request) -> web.Response:

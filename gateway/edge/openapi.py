@@ -21,6 +21,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from gateway import __version__
 from gateway.admin.cache import KEY_PATTERN, MAX_GROUP_LEN
 from gateway.admin.input import BODIES, QUERIES
 from gateway.edge.openapi_shapes import (
@@ -59,7 +60,7 @@ from gateway.edge.openapi_shapes import (
 __all__ = ["data_plane_document", "document_handler", "management_document"]
 
 OPENAPI_VERSION = "3.1.0"
-API_VERSION = "0.1.0"
+API_VERSION = __version__
 
 
 def _common_paths(tag: str) -> dict[str, Any]:

@@ -310,8 +310,13 @@ MODEL_LIST = {
 READY = {
     "type": "object", "required": ["status", "checks"],
     "properties": {
-        "status": {"enum": ["ok", "unavailable"]},
-        "checks": {"type": "object", "additionalProperties": {"type": "string"}},
+        "status": {"enum": ["ok", "degraded", "unavailable"]},
+        "checks": {
+            "type": "object", "additionalProperties": {"type": "string"},
+            "description": "every check (server, database, actor:NAME, key_invalidation, rate_limits) "
+                           "with its state: ok, or what is wrong",
+        },
+        "degraded": {"type": "object", "additionalProperties": {"type": "string"}},
     },
 }
 

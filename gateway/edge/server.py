@@ -11,15 +11,19 @@ everything that tells it. A second signal skips the wait.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import asyncpg
 from aiohttp import web
 
-from gateway.auth.keys import DEV_KEY, KeyStore
+from gateway import __version__
+from gateway.auth.keys import DEV_KEY, DEV_KEY_RPM, DEV_KEY_WINDOW_SECONDS, KeyStore
 from gateway.core.config import GatewayConfig, Settings
 from gateway.core.db import embedded_database_url
 from gateway.edge.app import DATA_SERVER_OPTIONS, build_data_app, build_management_app, gateway_state
@@ -27,7 +31,7 @@ from gateway.http.admission import ADMISSION, AdmissionGate, raise_open_file_lim
 from gateway.http.parser_errors import ContractAppRunner
 from gateway.observability.logfilters import install_log_filters
 
-__all__ = ["resolve_database_url", "run", "serve"]
+__all__ = ["AddressUnavailable", "check_addresses", "resolve_database_url", "run", "seed_development_key", "serve"]
 
 T = TypeVar("T")
 
@@ -39,6 +43,59 @@ HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 ABORT_SECONDS = 2.0
 #: Set by ``serve --workers`` for each worker: the supervisor's pid.
 SUPERVISOR_PID_ENV = "LLM_GATEWAY_SUPERVISOR_PID"
+
+
+class AddressUnavailable(Exception):
+    """A plane cannot listen on its address; the message is the one line the user sees."""
+
+
+def _unavailable(variable: str, host: str, port: int, exc: OSError) -> AddressUnavailable:
+    where = f"{variable} {host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        return AddressUnavailable(f"{where} is in use (set {variable} to another port)")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return AddressUnavailable(f"{where} is not an address of this machine (set {variable} to one that is)")
+    if exc.errno == errno.EACCES:
+        return AddressUnavailable(f"{where} needs privileges to listen on (set {variable} to a port above 1023)")
+    if isinstance(exc, socket.gaierror):
+        return AddressUnavailable(f"{where}: cannot resolve {host!r} (set {variable} to a reachable host)")
+    return AddressUnavailable(f"{where} cannot be listened on: {exc.strerror or exc} (set {variable})")
+
+
+def check_addresses(settings: Settings) -> None:
+    """Raise AddressUnavailable unless both planes can listen on their addresses.
+
+    Run before anything starts or is announced (the embedded database, the development
+    key): a port already taken is then one line naming the variable, not a bind error
+    after the gateway said it was starting. Each address is bound the way the server
+    will bind it (``SO_REUSEADDR``, as asyncio does), and released at once.
+    """
+    for variable, host, port in (
+        ("BIND_ADDR", settings.bind_host, settings.bind_port),
+        ("MANAGEMENT_BIND_ADDR", settings.management_host, settings.management_port),
+    ):
+        try:
+            for family, kind, proto, _name, address in socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            ):
+                with socket.socket(family, kind, proto) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    if family == socket.AF_INET6:
+                        probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)  # as asyncio binds
+                    probe.bind(address)
+        except OSError as exc:
+            raise _unavailable(variable, host, port, exc) from None
+
+
+async def seed_development_key(pool: asyncpg.Pool) -> None:
+    """Seed (or confirm) the development key of an embedded database, and say so."""
+    window = f"{DEV_KEY_RPM} requests per {DEV_KEY_WINDOW_SECONDS} s"
+    if await KeyStore(pool).ensure(
+        DEV_KEY, "development", requests=DEV_KEY_RPM, window_seconds=DEV_KEY_WINDOW_SECONDS
+    ):
+        print(f"seeded development key: {DEV_KEY} ({window})", flush=True)
+    else:
+        print(f"development key: {DEV_KEY}", flush=True)
 
 
 def resolve_database_url(settings: Settings) -> tuple[str, bool]:
@@ -110,10 +167,7 @@ async def _serve_until_stopped(
 ) -> None:
     async with gateway_state(settings, config, dsn, run_migrations=migrate) as state:
         if embedded:
-            if await KeyStore(state.pool).ensure(DEV_KEY, "development"):
-                print(f"seeded development key: {DEV_KEY}", flush=True)
-            else:
-                print(f"development key: {DEV_KEY}", flush=True)
+            await seed_development_key(state.pool)
             print(_dev_bind_notice(settings, config), flush=True)
         data_app = build_data_app(state)
         data_runner = ContractAppRunner(
@@ -133,16 +187,24 @@ async def _serve_until_stopped(
         await mgmt_runner.setup()
         runners += (data_runner, mgmt_runner)
         try:
-            await web.TCPSite(
-                data_runner, settings.bind_host, settings.bind_port, backlog=1024,
-                reuse_port=worker_socket is not None,
-            ).start()
+            try:
+                await web.TCPSite(
+                    data_runner, settings.bind_host, settings.bind_port, backlog=1024,
+                    reuse_port=worker_socket is not None,
+                ).start()
+            except OSError as exc:  # taken since check_addresses looked
+                raise _unavailable("BIND_ADDR", settings.bind_host, settings.bind_port, exc) from None
             if worker_socket is not None:
                 await web.UnixSite(mgmt_runner, worker_socket).start()
             else:
-                await web.TCPSite(mgmt_runner, settings.management_host, settings.management_port).start()
+                try:
+                    await web.TCPSite(mgmt_runner, settings.management_host, settings.management_port).start()
+                except OSError as exc:
+                    raise _unavailable(
+                        "MANAGEMENT_BIND_ADDR", settings.management_host, settings.management_port, exc
+                    ) from None
             print(
-                f"llm-gateway serving data plane on http://{settings.bind_host}:{settings.bind_port}"
+                f"llm-gateway {__version__} serving data plane on http://{settings.bind_host}:{settings.bind_port}"
                 f" and management plane on http://{settings.management_host}:{settings.management_port}",
                 flush=True,
             )

@@ -30,10 +30,10 @@ from prometheus_client import CollectorRegistry, Metric, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from gateway.auth.keys import DEV_KEY, KeyStore
+from gateway import __version__
 from gateway.core.config import GatewayConfig, Settings
 from gateway.edge.app import build_management_app, gateway_state
-from gateway.edge.server import SUPERVISOR_PID_ENV
+from gateway.edge.server import SUPERVISOR_PID_ENV, seed_development_key
 from gateway.http.parser_errors import ContractAppRunner
 from gateway.observability.metrics import CONTENT_TYPE
 
@@ -193,8 +193,8 @@ async def supervise_workers(
     pool = WorkerPool(workers, env, runtime_dir)
     try:
         async with gateway_state(settings, config, dsn, run_migrations=migrate) as state:
-            if embedded and await KeyStore(state.pool).ensure(DEV_KEY, "development"):
-                print(f"seeded development key: {DEV_KEY}", flush=True)
+            if embedded:
+                await seed_development_key(state.pool)
             await pool.start()
             app = build_management_app(state, metrics_handler=_aggregated_metrics(pool))
             runner = ContractAppRunner(app, handle_signals=False, shutdown_timeout=5, access_log=None)
@@ -202,7 +202,7 @@ async def supervise_workers(
             try:
                 await web.TCPSite(runner, settings.management_host, settings.management_port).start()
                 print(
-                    f"llm-gateway supervising {workers} workers on http://{settings.bind_host}:{settings.bind_port}"
+                    f"llm-gateway {__version__} supervising {workers} workers on http://{settings.bind_host}:{settings.bind_port}"
                     f"; management plane on http://{settings.management_host}:{settings.management_port}",
                     flush=True,
                 )

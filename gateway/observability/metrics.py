@@ -43,6 +43,7 @@ its help text have one home; splitting by area would scatter the one registry.
 from __future__ import annotations
 
 import asyncio
+import platform
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.gc_collector import GCCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from gateway import __version__
 from gateway.core.usage import CallRecord
 
 __all__ = [
@@ -220,6 +222,14 @@ class GatewayMetrics:
         self.model_label = BoundedLabel(MAX_MODEL_LABELS)
         self._small = BoundedLabel(MAX_SMALL_LABELS)
         self._readers = _Readers()
+
+        # -- build ------------------------------------------------------------------------
+        # Prometheus' info-metric idiom: a constant 1 whose labels say which build runs, so
+        # a query or dashboard can join any series on it (e.g. during a rolling upgrade).
+        Gauge(
+            "gateway_build_info", "Always 1; the labels are the running gateway's version and Python.",
+            ["version", "python"], registry=r,
+        ).labels(__version__, platform.python_version()).set(1)
 
         # -- HTTP edge (both planes) -----------------------------------------------------
         self.requests = Counter(

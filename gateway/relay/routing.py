@@ -6,7 +6,8 @@ model name (``venice/llama`` → ``llama``) where the deployment's model is ``*`
 :meth:`Router.resolve` answers which deployments (and raises the contract's 403/404);
 :meth:`Router.order` applies the group's strategy (:mod:`gateway.relay.strategies`) per call.
 :meth:`Router.list_models` names what a key may send, including the upstream models
-behind wildcard routes (asked of the providers, cached).
+behind wildcard routes (asked of the providers, cached by :class:`ModelCatalog`, and
+never waited on for more than a bound).
 """
 
 from __future__ import annotations
@@ -105,15 +106,19 @@ class Router:
     ) -> list[str]:
         """Every name the key may send: exact groups, plus, for each wildcard group, the
         upstream models of its pass-through deployments (``venice/`` + each id Venice
-        lists), filtered by the key's allowlist. A provider that cannot list is skipped."""
+        lists), filtered by the key's allowlist. A provider that cannot list, or has not
+        answered within the catalog's bound, is skipped. Providers are asked together, so
+        the bound holds for the whole list, not per provider."""
+        wanted = [
+            (group.name[:-1], provider)
+            for group in self._wildcards
+            for deployment in group.deployments
+            if deployment.model == "*" and (provider := providers.get(deployment.provider)) is not None
+        ]
+        listed = await asyncio.gather(*(self.catalog.ids(provider) for _prefix, provider in wanted))
         names = set(self._exact)
-        for group in self._wildcards:
-            prefix = group.name[:-1]
-            for deployment in group.deployments:
-                provider = providers.get(deployment.provider)
-                if deployment.model != "*" or provider is None:
-                    continue
-                names.update(prefix + model_id for model_id in await self.catalog.ids(provider) if model_id)
+        for (prefix, _provider), ids in zip(wanted, listed, strict=True):
+            names.update(prefix + model_id for model_id in ids if model_id)
         return sorted(self._filter(names, allowed))
 
     def _filter(self, names: set[str], allowed: Sequence[str] | None) -> set[str]:
@@ -144,38 +149,52 @@ def _targets(group: ModelGroup, rest: str) -> tuple[Target, ...]:
 
 
 class ModelCatalog:
-    """Upstream model ids per provider, asked once and cached.
+    """Upstream model ids per provider, cached, and never waited on for long.
 
-    ``/v1/models`` must not cost a provider call each time, nor hang on a provider that
-    is down: a good list is kept ``ttl`` seconds, a failure ``failure_ttl`` seconds (as
-    an empty list), and concurrent askers share one call.
+    ``/v1/models`` must not cost a provider call each time, nor be slow because a
+    provider is: a good list is kept ``ttl`` seconds; after that it is still answered
+    at once while one refresh runs behind it (a failed refresh keeps the old list and
+    is tried again after ``failure_ttl``). With nothing cached yet (the first ask, or
+    a provider that has never answered) an ask waits at most ``answer_within`` seconds
+    and then answers without that provider's models; the call goes on, and its list
+    is there for the next ask. Concurrent askers share one call.
     """
 
-    def __init__(self, *, ttl: float = 300.0, failure_ttl: float = 30.0) -> None:
+    def __init__(self, *, ttl: float = 300.0, failure_ttl: float = 30.0, answer_within: float = 1.0) -> None:
         self._ttl = ttl
         self._failure_ttl = failure_ttl
+        self._answer_within = answer_within
+        #: provider name -> (fresh until, ids)
         self._cache: dict[str, tuple[float, tuple[str, ...]]] = {}
         self._inflight: dict[str, asyncio.Task[tuple[str, ...]]] = {}
 
     async def ids(self, provider: Provider) -> tuple[str, ...]:
-        """The model ids ``provider`` lists (empty if it cannot say)."""
+        """The model ids ``provider`` lists (empty if it cannot say, or not yet)."""
         cached = self._cache.get(provider.name)
         if cached is not None and cached[0] > time.monotonic():
             return cached[1]
         task = self._inflight.get(provider.name)
         if task is None:
-            task = asyncio.get_running_loop().create_task(self._fetch(provider))
+            task = asyncio.get_running_loop().create_task(self._fetch(provider, cached))
             self._inflight[provider.name] = task
             task.add_done_callback(lambda _t: self._inflight.pop(provider.name, None))
-        # Shielded: one asker going away must not cancel the list for the others.
-        return await asyncio.shield(task)
+        if cached is not None:
+            return cached[1]  # stale, but answered now; the refresh replaces it
+        try:
+            # Shielded: neither the bound nor an asker going away may cancel the call,
+            # whose list the next ask (or another asker) will use.
+            async with asyncio.timeout(self._answer_within):
+                return await asyncio.shield(task)
+        except TimeoutError:
+            return ()
 
-    async def _fetch(self, provider: Provider) -> tuple[str, ...]:
+    async def _fetch(self, provider: Provider, previous: tuple[float, tuple[str, ...]] | None) -> tuple[str, ...]:
         try:
             ids = tuple(await provider.list_models())
         except ProviderError as exc:
             log.info("provider %s did not list its models: %s", provider.name, exc)
-            self._cache[provider.name] = (time.monotonic() + self._failure_ttl, ())
-            return ()
+            kept = previous[1] if previous is not None else ()
+            self._cache[provider.name] = (time.monotonic() + self._failure_ttl, kept)
+            return kept
         self._cache[provider.name] = (time.monotonic() + self._ttl, ids)
         return ids

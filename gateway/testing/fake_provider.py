@@ -14,7 +14,10 @@ wires answer with a tool call (until the last turn is the tool's result).  Failu
 ``POST /_fake/reset`` zeroes stats and script.  A step may hold ``status``
 (with ``retry_after``), ``delay_ms``, ``hang``, ``cut_after_chunks``, ``garbage``
 (``"json"``, ``"content_type"`` or ``"huge_line"``, whose size ``line_bytes`` sets),
-``chunks`` and ``chunk_delay_ms``.  Requests to ``/_fake/*`` are not counted in the stats.
+``chunks`` and ``chunk_delay_ms``.  ``{"route": "models", "steps": [...]}`` fills a second
+FIFO, popped only by ``GET /v1/models`` (which honours ``delay_ms``, ``hang`` and
+``status``), so a model list can hang while chat calls go on.  Requests to ``/_fake/*``
+are not counted in the stats.
 
 Why one module of ~600 lines: one fake upstream process with its scripting API; tests and
 bench/ start it as ``python -m gateway.testing.fake_provider``.
@@ -103,6 +106,8 @@ class FakeState:
 
     config: FakeConfig
     script: deque[dict[str, Any]] = field(default_factory=deque)
+    #: Steps for ``GET /v1/models`` only (``"route": "models"`` when scripting).
+    models_script: deque[dict[str, Any]] = field(default_factory=deque)
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     requests: int = 0
     by_path: dict[str, int] = field(default_factory=dict)
@@ -118,6 +123,7 @@ class FakeState:
     def reset(self) -> None:
         """Zero the statistics and clear the script (the id counter keeps going)."""
         self.script.clear()
+        self.models_script.clear()
         self.requests = 0
         self.by_path = {}
         self.streams_started = 0
@@ -163,6 +169,7 @@ class FakeState:
             "streams_cut": self.streams_cut,
             "requests_cancelled": self.requests_cancelled,
             "script_pending": len(self.script),
+            "models_script_pending": len(self.models_script),
             "last_request": last,
         }
 
@@ -506,33 +513,50 @@ async def _embeddings(request: web.Request) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/models``."""
+    """``GET /v1/models``; pops the models script (``delay_ms``, ``hang``, ``status``)."""
     state = request.app[STATE_KEY]
     await state.record(request)
     if not _OPENAI.authorized(request, state.config.require_key):
         return _OPENAI.unauthorized()
+    step = state.models_script.popleft() if state.models_script else {}
+    try:
+        if step.get("delay_ms"):
+            await asyncio.sleep(_number(step, "delay_ms", 0) / 1000)
+        if step.get("hang"):
+            await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        state.requests_cancelled += 1
+        raise
+    if "status" in step:
+        return _status_response(_OPENAI, step)
     return _json(models_list(created=1_700_000_000))
 
 
 async def _script_add(request: web.Request) -> web.StreamResponse:
-    """``POST /_fake/script``: append ``{"steps": [...]}`` to the script."""
+    """``POST /_fake/script``: append ``{"steps": [...]}`` to the script (with
+    ``"route": "models"``, to the script of ``GET /v1/models``)."""
     state = request.app[STATE_KEY]
     body = _loads(await request.read())
     steps = body.get("steps") if isinstance(body, dict) else None
     if not isinstance(steps, list):
         return _OPENAI.error(400, 'body must be {"steps": [step, ...]}', "invalid_request_error", None)
+    route = body.get("route", "chat")
+    if route not in ("chat", "models"):
+        return _OPENAI.error(400, 'route must be "chat" (the default) or "models"', "invalid_request_error", None)
     for step in steps:
         problem = _validate_step(step)
         if problem is not None:
             return _OPENAI.error(400, problem, "invalid_request_error", None)
-    state.script.extend(steps)
-    return _json({"pending": len(state.script)})
+    queue = state.models_script if route == "models" else state.script
+    queue.extend(steps)
+    return _json({"pending": len(queue)})
 
 
 async def _script_clear(request: web.Request) -> web.StreamResponse:
-    """``DELETE /_fake/script``: drop every pending step."""
+    """``DELETE /_fake/script``: drop every pending step (both scripts)."""
     state = request.app[STATE_KEY]
     state.script.clear()
+    state.models_script.clear()
     return _json({"pending": 0})
 
 
