@@ -572,6 +572,17 @@ _READY = {
 }
 
 
+_COMPLETION_REQUEST = {
+    "type": "object", "required": ["model", "prompt"],
+    "description": "OpenAI legacy completions; one prompt per request; echo, suffix, logprobs and best_of > 1 are refused",
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "pattern": r"\S"},
+        "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1}]},
+        "stream": {"type": "boolean"},
+    },
+}
+
+
 # -- Anthropic's Messages API (/v1/messages): its own request, answer and error shapes --------
 def _anthropic_error(description: str) -> dict[str, Any]:
     return _json_body(_ref("AnthropicError"), description)
@@ -688,6 +699,20 @@ def data_plane_document() -> dict[str, Any]:
                     **_KEY_ERRORS, **_UPSTREAM_ERRORS, **_PROVIDER_ANSWER,
                 },
             }},
+            "/v1/completions": {"post": {
+                "operationId": "createCompletion", "summary": "OpenAI legacy completions (through chat), stream false or true",
+                "tags": ["openai"],
+                "requestBody": {"required": True, "content": {JSON: {"schema": _ref("CompletionRequest")}}},
+                "responses": {
+                    "200": {
+                        "description": "a text_completion, or with stream true an SSE stream ending data: [DONE]",
+                        "content": {JSON: {"schema": {"type": "object"}}, "text/event-stream": {"schema": _ref("ChatCompletionEvent")}},
+                    },
+                    "400": _error("malformed body (invalid_json, invalid_model, invalid_prompt, invalid_stream, "
+                                  "unsupported_parameter)"),
+                    **_KEY_ERRORS, **_UPSTREAM_ERRORS, **_PROVIDER_ANSWER,
+                },
+            }},
             "/v1/messages": {"post": {
                 "operationId": "createMessage",
                 "summary": "Anthropic Messages API, stream false or true, any provider behind it",
@@ -737,7 +762,7 @@ def data_plane_document() -> dict[str, Any]:
             "schemas": {
                 "Error": _ERROR_SCHEMA, "Health": _HEALTH, "Ready": _READY,
                 "ChatCompletionRequest": _CHAT_REQUEST, "ChatCompletionEvent": _CHAT_EVENT, "EmbeddingRequest": _EMBEDDINGS_REQUEST,
-                "ModelList": _MODEL_LIST, "MessagesRequest": _MESSAGES_REQUEST,
+                "ModelList": _MODEL_LIST, "MessagesRequest": _MESSAGES_REQUEST, "CompletionRequest": _COMPLETION_REQUEST,
                 "CountTokensRequest": _COUNT_TOKENS_REQUEST, "AnthropicMessage": _ANTHROPIC_MESSAGE,
                 "AnthropicEvent": _ANTHROPIC_EVENT, "AnthropicError": _ANTHROPIC_ERROR,
             },
