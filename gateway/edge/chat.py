@@ -65,7 +65,6 @@ def settle_from_tap(tap: StreamTap, record: CallRecord, started: float, prompt_e
 class _ChatRelay(StreamRelay):
     """Chat chunks relayed byte for byte, the unasked-for usage hidden."""
 
-    __slots__ = ("strip_usage_null", "tap")
     unfinished = "upstream closed the stream before [DONE]"
 
     def __init__(self, tap: StreamTap) -> None:

@@ -34,6 +34,7 @@ from gateway.edge.openapi_shapes import (
     CACHE_STATS,
     CHAT_EVENT,
     CHAT_REQUEST,
+    COMPLETION_REQUEST,
     COUNT_TOKENS_REQUEST,
     EMBEDDINGS_REQUEST,
     ERROR_SCHEMA,
@@ -302,6 +303,20 @@ def data_plane_document() -> dict[str, Any]:
                     **_KEY_ERRORS, **_UPSTREAM_ERRORS, **_PROVIDER_ANSWER,
                 },
             }},
+            "/v1/completions": {"post": {
+                "operationId": "createCompletion", "summary": "OpenAI legacy completions (through chat), stream false or true",
+                "tags": ["openai"],
+                "requestBody": {"required": True, "content": {JSON: {"schema": ref("CompletionRequest")}}},
+                "responses": {
+                    "200": {
+                        "description": "a text_completion, or with stream true an SSE stream ending data: [DONE]",
+                        "content": {JSON: {"schema": {"type": "object"}}, "text/event-stream": {"schema": ref("ChatCompletionEvent")}},
+                    },
+                    "400": error("malformed body (invalid_json, invalid_model, invalid_prompt, invalid_stream, "
+                                  "unsupported_parameter)"),
+                    **_KEY_ERRORS, **_UPSTREAM_ERRORS, **_PROVIDER_ANSWER,
+                },
+            }},
             "/v1/messages": {"post": {
                 "operationId": "createMessage",
                 "summary": "Anthropic Messages API, stream false or true, any provider behind it",
@@ -351,7 +366,7 @@ def data_plane_document() -> dict[str, Any]:
             "schemas": {
                 "Error": ERROR_SCHEMA, "Health": HEALTH, "Ready": READY,
                 "ChatCompletionRequest": CHAT_REQUEST, "ChatCompletionEvent": CHAT_EVENT, "EmbeddingRequest": EMBEDDINGS_REQUEST,
-                "ModelList": MODEL_LIST, "MessagesRequest": MESSAGES_REQUEST,
+                "ModelList": MODEL_LIST, "MessagesRequest": MESSAGES_REQUEST, "CompletionRequest": COMPLETION_REQUEST,
                 "CountTokensRequest": COUNT_TOKENS_REQUEST, "AnthropicMessage": ANTHROPIC_MESSAGE,
                 "AnthropicEvent": ANTHROPIC_EVENT, "AnthropicError": ANTHROPIC_ERROR,
             },

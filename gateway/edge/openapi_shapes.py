@@ -435,3 +435,14 @@ ANTHROPIC_ERRORS = {
         "content": {JSON: {"schema": {}}},
     },
 }
+
+
+COMPLETION_REQUEST = {
+    "type": "object", "required": ["model", "prompt"],
+    "description": "OpenAI legacy completions; one prompt per request; echo, suffix, logprobs and best_of > 1 are refused",
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "pattern": r"\S"},
+        "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1}]},
+        "stream": {"type": "boolean"},
+    },
+}

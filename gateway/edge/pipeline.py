@@ -24,8 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from aiohttp import web
@@ -69,7 +68,6 @@ class Parsed:
     native: NativeCall | None = None
     #: The client asked for a stream's usage (chat's ``stream_options.include_usage``).
     wants_usage: bool = False
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 class StreamCut(Exception):

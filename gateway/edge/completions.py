@@ -1,0 +1,102 @@
+"""``POST /v1/completions``: OpenAI's legacy completions, as an adapter of the pipeline.
+
+Every guarantee of chat completions holds (keys, limits, budgets, routing, breakers,
+retries and failover, cancellation, the ledger with ``protocol`` = ``completions``,
+metrics, spans, the contract's errors). The request is translated to chat
+(:mod:`gateway.protocols.completions`) for every deployment, and the answer and stream
+back, chunk by chunk. The response cache does not serve this route yet (its entries are
+chat answers).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import orjson
+from aiohttp import web
+
+from gateway.core.errors import GatewayError, InvalidRequest, UpstreamUnavailable
+from gateway.core.usage import CallRecord, StreamTap
+from gateway.edge.chat import settle_from_tap
+from gateway.edge.pipeline import Inbound, Parsed, StreamCut, StreamRelay, serve
+from gateway.http.errors import error_event
+from gateway.protocols.completions import (
+    from_completions_request,
+    to_text_completion,
+    to_text_completion_chunk,
+)
+from gateway.protocols.sse import event_data
+from gateway.providers.base import UpstreamReply
+
+__all__ = ["COMPLETIONS", "LegacyCompletions", "completions"]
+
+_JSON = {"Content-Type": "application/json"}
+
+
+class _CompletionsRelay(StreamRelay):
+    """Chat chunks re-framed as text completion chunks; unasked-for usage hidden."""
+
+    unfinished = "upstream closed the stream before [DONE]"
+
+    def __init__(self, tap: StreamTap) -> None:
+        self.tap = tap
+
+    def feed(self, event: bytes) -> bytes | None:
+        data = event_data(event)
+        if data is None:
+            return None
+        if not self.tap.inspect(data):
+            if self.tap.malformed:
+                raise StreamCut("upstream sent an event that is not JSON")
+            return None
+        if data == b"[DONE]":
+            return event
+        return to_text_completion_chunk(data)
+
+    @property
+    def done(self) -> bool:
+        return self.tap.done
+
+    def error_event(self, error: GatewayError) -> bytes:
+        return error_event(error)
+
+    def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
+        settle_from_tap(self.tap, record, started, prompt_estimate)
+
+
+class LegacyCompletions(Inbound):
+    name: ClassVar[str] = "completions"
+    cacheable: ClassVar[bool] = False
+
+    def parse(self, body: dict[str, Any], request: web.Request) -> Parsed:
+        model = body.get("model")
+        if not isinstance(model, str) or not model.strip():
+            raise InvalidRequest("'model' must be a non-empty string", code="invalid_model")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise InvalidRequest("'stream' must be a boolean", code="invalid_stream")
+        options = body.get("stream_options")
+        wants_usage = stream and isinstance(options, dict) and options.get("include_usage") is True
+        return Parsed(model=model, stream=stream, body=from_completions_request(body), wants_usage=wants_usage)
+
+    def answer(self, reply: UpstreamReply, answer: dict[str, Any] | None, parsed: Parsed) -> web.Response:
+        if not reply.ok:  # the provider's own error: its status and body, as on chat
+            return self.unstreamed(reply)
+        if answer is None:
+            raise UpstreamUnavailable("upstream answered something other than a chat completion")
+        return web.Response(status=200, body=orjson.dumps(to_text_completion(answer)), headers=_JSON)
+
+    def unstreamed(self, reply: UpstreamReply) -> web.Response:
+        return web.Response(status=reply.status, body=reply.body,
+                            headers={"Content-Type": reply.headers.get("Content-Type", "application/json")})
+
+    def relay(self, reply: UpstreamReply, parsed: Parsed, keep_text: bool, prompt_estimate: int) -> StreamRelay:
+        return _CompletionsRelay(StreamTap(client_wants_usage=parsed.wants_usage, keep_text=keep_text))
+
+
+COMPLETIONS = LegacyCompletions()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``."""
+    return await serve(request, COMPLETIONS)
