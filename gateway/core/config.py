@@ -38,7 +38,17 @@ __all__ = [
 ]
 
 DEFAULT_VENICE_BASE_URL = "https://api.venice.ai/api/v1"
-PROVIDER_TYPES = ("openai", "anthropic", "mock")
+PROVIDER_TYPES = ("openai", "anthropic", "mock", "azure", "gemini")
+#: Keys a provider of one type takes beyond the common ones (all strings), kept in
+#: ``ProviderConfig.options`` and read by that type's module in gateway/providers.
+PROVIDER_OPTIONS: dict[str, tuple[str, ...]] = {
+    "azure": ("api_version", "tenant_id", "client_id", "client_secret", "token_url"),
+}
+#: Where a provider type lives when the config names no base_url.
+DEFAULT_BASE_URLS = {
+    "anthropic": "https://api.anthropic.com",
+    "gemini": "https://generativelanguage.googleapis.com",
+}
 STRATEGIES = ("priority", "weighted", "least-latency", "least-cost")
 CACHE_MODES = ("exact", "semantic")
 CACHE_SCOPES = ("key", "subject", "global")
@@ -267,6 +277,12 @@ class ProviderConfig:
     #: Where ``api_key`` was read from, if a file: providers re-read it when it changes,
     #: so a rotated key takes effect without a restart (gateway/providers/credentials.py).
     api_key_file: Path | None = None
+    #: Type-specific settings (``PROVIDER_OPTIONS``), e.g. Azure's ``api_version``.
+    options: tuple[tuple[str, str], ...] = ()
+
+    def option(self, key: str, default: str | None = None) -> str | None:
+        """One type-specific setting, or ``default`` when the config left it out."""
+        return dict(self.options).get(key, default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -458,11 +474,13 @@ class _Section:
 
 
 def _provider(name: str, raw: Any, settings: Settings, key_file: Path | None = None) -> ProviderConfig:
+    declared_type = raw.get("type") if isinstance(raw, dict) else None
+    type_options = PROVIDER_OPTIONS.get(declared_type, ()) if isinstance(declared_type, str) else ()
     s = _Section(
         raw,
         f"providers.{name}",
         ("type", "base_url", "api_key", "api_key_file", "connect_timeout_seconds", "timeout_seconds",
-         "idle_timeout_seconds", "max_retries", "retry_on_timeout", "headers"),
+         "idle_timeout_seconds", "max_retries", "retry_on_timeout", "headers", *type_options),
     )
     api_key = s.text("api_key")
     explicit_file = s.text("api_key_file")
@@ -475,7 +493,9 @@ def _provider(name: str, raw: Any, settings: Settings, key_file: Path | None = N
         except OSError as exc:
             raise ConfigError(f"providers.{name}.api_key_file: cannot read {explicit_file}: {exc.strerror}") from None
     type_ = s.choice("type", "openai", PROVIDER_TYPES)
-    base_url = s.text("base_url", "https://api.anthropic.com" if type_ == "anthropic" else None)
+    base_url = s.text("base_url", DEFAULT_BASE_URLS.get(type_))
+    options = tuple((key, s.text(key)) for key in type_options if raw.get(key) is not None)
+    _check_provider_credentials(name, type_, api_key, dict(options))
     if type_ != "mock" and not base_url:
         raise ConfigError(f"providers.{name}.base_url: required for type {type_}")
     if base_url and not base_url.startswith(("http://", "https://")):
@@ -497,7 +517,22 @@ def _provider(name: str, raw: Any, settings: Settings, key_file: Path | None = N
         max_retries=s.num("max_retries", None, integer=True),
         retry_on_timeout=s.flag("retry_on_timeout", True),
         headers=tuple(headers_raw.items()),
+        options=options,
     )
+
+
+def _check_provider_credentials(name: str, type_: str, api_key: str | None, options: Mapping[str, str]) -> None:
+    """Refuse a provider whose type cannot authenticate with what the config gives it."""
+    if type_ != "azure":
+        return
+    entra = [k for k in ("tenant_id", "client_id", "client_secret") if k in options]
+    if api_key is not None and entra:
+        raise ConfigError(f"providers.{name}.{entra[0]}: set api_key or Microsoft Entra credentials, not both")
+    if api_key is None and len(entra) != 3:
+        missing = next(k for k in ("tenant_id", "client_id", "client_secret") if k not in options)
+        raise ConfigError(
+            f"providers.{name}.{missing}: required for Microsoft Entra auth (or set api_key)"
+        )
 
 
 def _deployment(raw: Any, path: str, providers: Mapping[str, ProviderConfig]) -> Deployment:
