@@ -523,6 +523,8 @@ def _provider(name: str, raw: Any, settings: Settings, key_file: Path | None = N
 
 def _check_provider_credentials(name: str, type_: str, api_key: str | None, options: Mapping[str, str]) -> None:
     """Refuse a provider whose type cannot authenticate with what the config gives it."""
+    if type_ == "gemini" and api_key is None:
+        raise ConfigError(f"providers.{name}.api_key: required for type gemini")
     if type_ != "azure":
         return
     entra = [k for k in ("tenant_id", "client_id", "client_secret") if k in options]

@@ -45,4 +45,8 @@ def build_provider(
         from gateway.providers.azure import AzureProvider
 
         return AzureProvider(config, session, request_timeout=request_timeout)
+    if config.type == "gemini":
+        from gateway.providers.gemini import GeminiProvider
+
+        return GeminiProvider(config, session, request_timeout=request_timeout)
     raise ValueError(f"provider type {config.type!r} is not available yet")
