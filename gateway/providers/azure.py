@@ -99,6 +99,15 @@ class AzureProvider(OpenAIProvider):
     async def list_models(self) -> list[str]:
         return []  # Azure lists deployments on its management plane only
 
+    @property
+    def passthrough_base(self) -> str:
+        return self._root  # the resource: clients send /openai/... paths as Azure documents them
+
+    async def credential_headers(self) -> dict[str, str]:
+        if self._token is None:
+            return await super().credential_headers()
+        return {"Authorization": f"Bearer {await self._token.current()}"}
+
     async def _auth(self, headers: Mapping[str, str]) -> Mapping[str, str]:
         """``headers`` plus the Entra bearer token, when this resource uses Entra."""
         if self._token is None:
