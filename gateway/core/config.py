@@ -38,12 +38,15 @@ __all__ = [
 ]
 
 DEFAULT_VENICE_BASE_URL = "https://api.venice.ai/api/v1"
-PROVIDER_TYPES = ("openai", "anthropic", "mock", "azure", "gemini")
+PROVIDER_TYPES = ("openai", "anthropic", "mock", "azure", "gemini", "bedrock")
 #: Keys a provider of one type takes beyond the common ones (all strings), kept in
 #: ``ProviderConfig.options`` and read by that type's module in gateway/providers.
 PROVIDER_OPTIONS: dict[str, tuple[str, ...]] = {
     "azure": ("api_version", "tenant_id", "client_id", "client_secret", "token_url"),
+    "bedrock": ("region", "profile"),
 }
+#: Provider types whose client library comes with an extra (gateway/core/extras.py).
+PROVIDER_EXTRAS = {"bedrock": "bedrock"}
 #: Where a provider type lives when the config names no base_url.
 DEFAULT_BASE_URLS = {
     "anthropic": "https://api.anthropic.com",
@@ -496,7 +499,12 @@ def _provider(name: str, raw: Any, settings: Settings, key_file: Path | None = N
     base_url = s.text("base_url", DEFAULT_BASE_URLS.get(type_))
     options = tuple((key, s.text(key)) for key in type_options if raw.get(key) is not None)
     _check_provider_credentials(name, type_, api_key, dict(options))
-    if type_ != "mock" and not base_url:
+    extra = PROVIDER_EXTRAS.get(type_)
+    if extra is not None and not extra_installed(extra):
+        raise ConfigError(f"providers.{name}.type: {type_} needs the {extra} extra "
+                          f"(pip install 'llm-gateway[{extra}]')")
+    # Bedrock's endpoint follows from its region (bedrock-runtime.{region}.amazonaws.com).
+    if type_ not in ("mock", "bedrock") and not base_url:
         raise ConfigError(f"providers.{name}.base_url: required for type {type_}")
     if base_url and not base_url.startswith(("http://", "https://")):
         raise ConfigError(f"providers.{name}.base_url: expected an http(s) URL")
