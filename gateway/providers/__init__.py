@@ -28,7 +28,7 @@ __all__ = [
 def build_provider(
     config: ProviderConfig, session: aiohttp.ClientSession, *, request_timeout: float
 ) -> Provider:
-    """The provider for ``config.type`` (openai | anthropic | azure | gemini | bedrock | mock)."""
+    """The provider for ``config.type`` (openai | anthropic | azure | gemini | bedrock | vertex | mock)."""
     if config.type == "mock":
         from gateway.providers.mock import MockProvider
 
@@ -53,4 +53,8 @@ def build_provider(
         from gateway.providers.bedrock import BedrockProvider
 
         return BedrockProvider(config, session, request_timeout=request_timeout)
+    if config.type == "vertex":
+        from gateway.providers.vertex import VertexProvider
+
+        return VertexProvider(config, session, request_timeout=request_timeout)
     raise ValueError(f"provider type {config.type!r} is not available yet")

@@ -64,11 +64,15 @@ class GeminiProvider(Provider):
         name = model.removeprefix("models/")
         return f"{self._models_url}/models/{quote(name, safe='')}:{method}"
 
+    async def auth_headers(self) -> Mapping[str, str]:
+        """The headers every call sends, credential included (the API key here)."""
+        return self.keyed_headers(self._headers)
+
     async def _post(
         self, url: str, payload: dict[str, Any], *, stream: bool, headers: Mapping[str, str],
         timeouts: Timeouts | None,
     ) -> aiohttp.ClientResponse:
-        keyed = self.keyed_headers(self._headers)
+        keyed = await self.auth_headers()
         with map_transport_errors():
             return await self._session.post(
                 url, data=orjson.dumps(payload), headers={**keyed, **headers} if headers else keyed,

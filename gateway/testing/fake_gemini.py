@@ -27,7 +27,7 @@ from aiohttp import web
 from gateway.core.tokens import count_tokens
 from gateway.testing.fake_vendor import STATE_KEY, VendorState, json_response
 
-__all__ = ["GeminiFake", "make_app"]
+__all__ = ["GeminiFake", "answer_model_call", "google_error", "make_app"]
 
 _TOP_FIELDS = {"contents", "systemInstruction", "generationConfig", "tools", "toolConfig", "safetySettings",
                "cachedContent"}
@@ -48,7 +48,7 @@ class GeminiFake:
     state: VendorState = field(default_factory=VendorState)
 
 
-def _google_error(status: int, message: str, details: list[dict[str, Any]] | None = None) -> web.Response:
+def google_error(status: int, message: str, details: list[dict[str, Any]] | None = None) -> web.Response:
     error: dict[str, Any] = {"code": status, "message": message, "status": _STATUS.get(status, "UNKNOWN")}
     if details:
         error["details"] = details
@@ -58,30 +58,30 @@ def _google_error(status: int, message: str, details: list[dict[str, Any]] | Non
 def _invalid(request_fields: set[str], allowed: set[str], where: str) -> web.Response | None:
     unknown = sorted(request_fields - allowed)
     if unknown:
-        return _google_error(400, f'Invalid JSON payload received. Unknown name "{unknown[0]}" at \'{where}\': '
+        return google_error(400, f'Invalid JSON payload received. Unknown name "{unknown[0]}" at \'{where}\': '
                                   "Cannot find field.")
     return None
 
 
 def _validate(body: Any) -> web.Response | None:
     if not isinstance(body, dict):
-        return _google_error(400, "Invalid JSON payload received.")
+        return google_error(400, "Invalid JSON payload received.")
     problem = _invalid(set(body), _TOP_FIELDS, "") or _invalid(set(body.get("generationConfig") or {}),
                                                                _CONFIG_FIELDS, "generation_config")
     if problem:
         return problem
     contents = body.get("contents")
     if not isinstance(contents, list) or not contents:
-        return _google_error(400, "* GenerateContentRequest.contents: contents is not specified")
+        return google_error(400, "* GenerateContentRequest.contents: contents is not specified")
     for i, content in enumerate(contents):
         if content.get("role") not in ("user", "model"):
-            return _google_error(400, f"Please use a valid role: user, model. (contents[{i}])")
+            return google_error(400, f"Please use a valid role: user, model. (contents[{i}])")
         for part in content.get("parts") or []:
             if (problem := _invalid(set(part), _PART_FIELDS, f"contents[{i}].parts[0]")) is not None:
                 return problem
             response = part.get("functionResponse")
             if response is not None and not response.get("name"):
-                return _google_error(400, "* GenerateContentRequest.contents[].parts[].function_response.name: "
+                return google_error(400, "* GenerateContentRequest.contents[].parts[].function_response.name: "
                                           "Name cannot be empty.")
     return None
 
@@ -119,29 +119,37 @@ async def _models_route(request: web.Request) -> web.StreamResponse:
     fake: GeminiFake = request.app[_FAKE_KEY]
     body = await fake.state.record(request)
     if not _authorized(request, fake):
-        return _google_error(400, "API key not valid. Please pass a valid API key.", [
+        return google_error(400, "API key not valid. Please pass a valid API key.", [
             {"@type": "type.googleapis.com/google.rpc.ErrorInfo", "reason": "API_KEY_INVALID",
              "domain": "googleapis.com"}])
+    return await answer_model_call(request, fake.state, fake.models, body)
+
+
+async def answer_model_call(
+    request: web.Request, state: VendorState, models: tuple[str, ...], body: Any
+) -> web.StreamResponse:
+    """Answer ``.../models/{model}:{method}`` (authorised already): the Gemini API's and
+    Vertex AI's ``publishers/google`` models share this wire."""
     model, _, method = request.match_info["target"].partition(":")
-    if model not in fake.models:
-        return _google_error(404, f"models/{model} is not found for API version v1beta, or is not supported for "
+    if model not in models:
+        return google_error(404, f"models/{model} is not found for API version v1beta, or is not supported for "
                                   f"{method}.")
-    step = fake.state.next_step()
+    step = state.next_step()
     if "status" in step:
         details = [{"@type": "type.googleapis.com/google.rpc.RetryInfo", "retryDelay": step["retry_delay"]}] \
             if "retry_delay" in step else None
-        return _google_error(int(step["status"]), "scripted failure", details)
+        return google_error(int(step["status"]), "scripted failure", details)
     if method == "batchEmbedContents":
         return json_response({"embeddings": [{"values": _vector(r["content"]["parts"][0]["text"])}
                                              for r in body["requests"]]})
     if method == "embedContent":
         return json_response({"embedding": {"values": _vector(body["content"]["parts"][0]["text"])}})
     if method not in ("generateContent", "streamGenerateContent"):
-        return _google_error(404, f"method {method} not found")
+        return google_error(404, f"method {method} not found")
     if (problem := _validate(body)) is not None:
         return problem
     prompt_tokens = count_tokens(_prompt_text(body))
-    response_id = f"gem-{len(fake.state.calls)}"
+    response_id = f"gem-{len(state.calls)}"
     if "BLOCKME" in _prompt_text(body):
         blocked = {"promptFeedback": {"blockReason": "SAFETY", "safetyRatings": [
             {"category": "HARM_CATEGORY_DANGEROUS_CONTENT", "probability": "HIGH", "blocked": True}]},
@@ -155,7 +163,7 @@ async def _models_route(request: web.Request) -> web.StreamResponse:
                               "usageMetadata": _usage(prompt_tokens, out_tokens), "modelVersion": model,
                               "responseId": response_id})
     if request.query.get("alt") != "sse":
-        return _google_error(400, "this fake streams only with alt=sse")
+        return google_error(400, "this fake streams only with alt=sse")
     chunks: list[dict[str, Any]] = []
     pieces = parts[0]["text"].split(" ") if "text" in parts[0] else None
     if pieces is not None:
