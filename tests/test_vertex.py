@@ -181,3 +181,28 @@ async def test_the_default_endpoint_follows_the_location(tmp_path: Path) -> None
         assert built.url("gemini-2.5-flash", "generateContent") == (
             "https://asia-northeast1-aiplatform.googleapis.com/v1/projects/p/locations/asia-northeast1/"
             "publishers/google/models/gemini-2.5-flash:generateContent")
+
+
+async def test_claude_on_vertex_uses_the_anthropic_publisher_and_messages_wire(
+    gateway_factory: Any, vertex: tuple[VertexFake, str], api_key: str, tmp_path: Path,
+    signing_key: rsa.RSAPrivateKey,
+) -> None:
+    fake, url = vertex
+    credentials = service_account_file(tmp_path, signing_key, f"{url}/token", fake.client_email)
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"gcp": vertex_provider(url, credentials)},
+        [{"name": "claude", "deployments": [{"provider": "gcp", "model": "claude-sonnet-4-5@20250929"}]}]))
+    client = sdk(gw, api_key)
+    answer = await client.chat.completions.create(
+        model="claude", messages=[{"role": "system", "content": "Brief."}, {"role": "user", "content": "hi claude"}])
+    assert answer.choices[0].message.content and answer.usage and answer.usage.prompt_tokens > 0
+    call = fake.state.model_calls()[-1]
+    anthropic_path = "/v1/projects/fake-project/locations/europe-west4/publishers/anthropic/models"
+    assert call.path == f"{anthropic_path}/claude-sonnet-4-5@20250929:rawPredict"
+    assert call.body["anthropic_version"] == "vertex-2023-10-16" and "model" not in call.body
+    assert call.body["system"] == "Brief." and call.headers["authorization"].startswith("Bearer ya29.fake-")
+    stream = await client.chat.completions.create(
+        model="claude", messages=[{"role": "user", "content": "stream claude"}], stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    assert text == answer.choices[0].message.content.replace("hi claude", "stream claude")
+    assert fake.state.model_calls()[-1].path == f"{anthropic_path}/claude-sonnet-4-5@20250929:streamRawPredict"

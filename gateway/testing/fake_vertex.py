@@ -8,7 +8,10 @@ public key, issued by its ``client_email``, for Google's token endpoint (``aud``
 models/{model}:generateContent`` (and ``:streamGenerateContent?alt=sse``) need
 ``Authorization: Bearer`` with an issued, unexpired token (else Google's 401
 UNAUTHENTICATED) and the fake's project and location (else 403 / 400), then answer as
-the Gemini fake does (gateway/testing/fake_gemini.py).
+the Gemini fake does (gateway/testing/fake_gemini.py). Claude models answer at
+``publishers/anthropic/models/{model}:rawPredict`` / ``:streamRawPredict`` with the
+Messages API's shapes (gateway/testing/fake_llm.py), requiring Vertex's
+``anthropic_version: vertex-2023-10-16`` and no ``model`` in the body.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
 from gateway.testing.fake_gemini import answer_model_call, google_error
+from gateway.testing.fake_llm import anthropic_message, anthropic_stream_events
 from gateway.testing.fake_vendor import STATE_KEY, VendorState, json_response
 
 __all__ = ["VertexFake", "make_app"]
@@ -94,6 +98,13 @@ async def _token(request: web.Request) -> web.Response:
 async def _model_route(request: web.Request) -> web.StreamResponse:
     fake: VertexFake = request.app[_FAKE_KEY]
     body = await fake.state.record(request)
+    if (refused := _refused(request, fake)) is not None:
+        return refused
+    return await answer_model_call(request, fake.state, fake.models, body)
+
+
+def _refused(request: web.Request, fake: VertexFake) -> web.Response | None:
+    """Google's answer to a missing or expired token, or a foreign project or location."""
     auth = request.headers.get("Authorization", "")
     token = auth[7:] if auth.startswith("Bearer ") else None
     if token is None or fake.expiries.get(token, 0) < time.time():
@@ -103,7 +114,34 @@ async def _model_route(request: web.Request) -> web.StreamResponse:
         return google_error(403, f"Permission denied on resource project {request.match_info['project']}.")
     if request.match_info["location"] != fake.location:
         return google_error(400, f"Location {request.match_info['location']} is not supported.")
-    return await answer_model_call(request, fake.state, fake.models, body)
+    return None
+
+
+async def _anthropic_route(request: web.Request) -> web.StreamResponse:
+    """Claude on Vertex: the Messages API body at ``:rawPredict`` / ``:streamRawPredict``."""
+    fake: VertexFake = request.app[_FAKE_KEY]
+    body = await fake.state.record(request)
+    if (refused := _refused(request, fake)) is not None:
+        return refused
+    model, _, method = request.match_info["target"].partition(":")
+    if not isinstance(body, dict) or body.get("anthropic_version") != "vertex-2023-10-16" or "model" in body:
+        return json_response({"type": "error", "error": {
+            "type": "invalid_request_error",
+            "message": "anthropic_version: vertex-2023-10-16 is required and model must not be in the body"}}, 400)
+    step = fake.state.next_step()
+    if "status" in step:
+        return google_error(int(step["status"]), "scripted failure")
+    answered = {**body, "model": model}
+    if method == "rawPredict":
+        return json_response(anthropic_message(answered, message_id=f"msg_vrtx_{len(fake.state.calls)}"))
+    if method != "streamRawPredict":
+        return google_error(404, f"method {method} not found")
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for event in anthropic_stream_events(answered, message_id=f"msg_vrtx_{len(fake.state.calls)}"):
+        await response.write(event)
+    await response.write_eof()
+    return response
 
 
 _FAKE_KEY = web.AppKey("vertex_fake", VertexFake)
@@ -117,4 +155,6 @@ def make_app(fake: VertexFake) -> web.Application:
     app.router.add_post("/token", _token)
     app.router.add_post(
         "/v1/projects/{project}/locations/{location}/publishers/google/models/{target}", _model_route)
+    app.router.add_post(
+        "/v1/projects/{project}/locations/{location}/publishers/anthropic/models/{target}", _anthropic_route)
     return app
