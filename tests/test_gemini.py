@@ -234,6 +234,15 @@ async def test_429_with_retry_info_cools_gemini_and_fails_over_to_another_vendor
     assert calls[0].failovers == 1 and calls[0].provider == "backup"
 
 
+async def test_one_input_embeds_via_embed_content(gw: Gateway, gemini: tuple[GeminiFake, str], api_key: str) -> None:
+    fake, _ = gemini
+    answer = await sdk(gw, api_key).embeddings.create(model="embed", input="solo")
+    assert [d.index for d in answer.data] == [0] and len(answer.data[0].embedding) == 8
+    call = fake.state.model_calls()[-1]
+    assert call.path == "/v1beta/models/gemini-embedding-001:embedContent"
+    assert call.body == {"model": "models/gemini-embedding-001", "content": {"parts": [{"text": "solo"}]}}
+
+
 async def test_embeddings_via_batch_embed_contents(gw: Gateway, gemini: tuple[GeminiFake, str], api_key: str) -> None:
     fake, _ = gemini
     answer = await sdk(gw, api_key).embeddings.create(model="embed", input=["alpha", "beta"], dimensions=8)

@@ -447,7 +447,8 @@ class StreamTranslator:
 
 # --------------------------------------------------------------------------- embeddings
 def embedding_requests(body: Mapping[str, Any], model: str) -> list[dict[str, Any]]:
-    """``batchEmbedContents`` requests for an OpenAI embeddings body (one per input)."""
+    """``embedContent`` requests for an OpenAI embeddings body, one per input (sent alone
+    to ``embedContent``, or together to ``batchEmbedContents``)."""
     raw = body.get("input")
     inputs = [raw] if isinstance(raw, str) else raw
     if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) for t in inputs):
@@ -459,11 +460,11 @@ def embedding_requests(body: Mapping[str, Any], model: str) -> list[dict[str, An
 
 
 def to_embeddings_answer(answer: Mapping[str, Any], *, model: str, prompt_tokens: int) -> dict[str, Any]:
-    """OpenAI's embeddings list for a ``batchEmbedContents`` answer.
+    """OpenAI's embeddings list for an ``embedContent`` or ``batchEmbedContents`` answer.
 
     Gemini reports no token counts for embeddings: ``prompt_tokens`` is the caller's estimate.
     """
-    embeddings = answer.get("embeddings")
+    embeddings = [answer["embedding"]] if isinstance(answer.get("embedding"), dict) else answer.get("embeddings")
     if not isinstance(embeddings, list):
         raise UpstreamAnswerError("gemini answered embeddings without an embeddings list")
     data = [{"object": "embedding", "index": i, "embedding": e.get("values") if isinstance(e, dict) else None}

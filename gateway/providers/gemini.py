@@ -1,7 +1,8 @@
 """The Gemini API (``generativelanguage.googleapis.com``) behind the OpenAI chat shape.
 
 Calls go to ``{base_url}/v1beta/models/{model}:generateContent`` and, streamed,
-``:streamGenerateContent?alt=sse``; embeddings to ``:batchEmbedContents``. The key
+``:streamGenerateContent?alt=sse``; embeddings to ``:embedContent`` (one input) or
+``:batchEmbedContents`` (a list). The key
 travels in the ``x-goog-api-key`` header. The translation both ways is
 gateway/protocols/gemini.py. A prompt blocked by Gemini's safety filters is answered
 400 ``content_filter`` before any byte is relayed (the first streamed event is read
@@ -135,8 +136,10 @@ class GeminiProvider(Provider):
     ) -> UpstreamReply:
         model = str(body.get("model") or "").removeprefix("models/")
         requests = wire.embedding_requests(body, model)
-        resp = await self._post(self.url(model, "batchEmbedContents"), {"requests": requests},
-                                stream=False, headers=headers, timeouts=timeouts)
+        # One string: embedContent; a list: batchEmbedContents, one request per input.
+        single = isinstance(body.get("input"), str)
+        method, payload = ("embedContent", requests[0]) if single else ("batchEmbedContents", {"requests": requests})
+        resp = await self._post(self.url(model, method), payload, stream=False, headers=headers, timeouts=timeouts)
         try:
             with map_transport_errors():
                 raw = await resp.read()
