@@ -24,8 +24,9 @@ import asyncio
 import fnmatch
 import logging
 import time
-from typing import Any
+from collections.abc import AsyncIterator
 
+import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
@@ -41,7 +42,7 @@ from gateway.http.middleware import request_id_of
 from gateway.http.state import STATE, GatewayState
 from gateway.protocols.sse import event_data, iter_events
 from gateway.protocols.usage_shapes import UsageSniffer
-from gateway.providers.base import ProviderError, client_timeout, map_transport_errors
+from gateway.providers.base import Provider, ProviderError, client_timeout, map_transport_errors
 
 __all__ = ["PASSTHROUGH_ROUTE", "passthrough"]
 
@@ -100,7 +101,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 
 
 async def _relay(
-    request: web.Request, state: GatewayState, provider: Any, raw: bytes, record: CallRecord, started: float,
+    request: web.Request, state: GatewayState, provider: Provider, raw: bytes, record: CallRecord, started: float,
 ) -> web.StreamResponse:
     headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP)
     headers.update(await provider.credential_headers())
@@ -150,7 +151,9 @@ async def _relay(
     return response
 
 
-async def _chunks(upstream: Any, response: web.StreamResponse, record: CallRecord, started: float) -> Any:
+async def _chunks(
+    upstream: aiohttp.ClientResponse, response: web.StreamResponse, record: CallRecord, started: float
+) -> AsyncIterator[bytes]:
     """The upstream body chunk by chunk, each written to the client before it is yielded."""
     with map_transport_errors():
         async for chunk in upstream.content.iter_any():
