@@ -9,6 +9,9 @@ In order of trust:
 3. nothing: the cost is 0 and ``cost_source`` says ``unpriced``, which billing counts per
    model and metrics can expose, so a missing price is visible rather than silently free.
 
+A pass-through call whose answer carried no usage object the gateway knows costs 0 with
+source ``passthrough`` (gateway/edge/passthrough.py).
+
 A call with no tokens at all (a failed call) costs 0 with source ``none``: there is
 nothing to price, and flagging its model as unpriced would only be noise.
 """
@@ -23,7 +26,7 @@ from gateway.core.usage import CallRecord, Usage
 __all__ = ["COST_SOURCES", "cost_from_price", "settle_cost"]
 
 #: Every value ``CallRecord.cost_source`` takes (the ledger's check constraint agrees).
-COST_SOURCES = ("provider", "price", "unpriced", "none")
+COST_SOURCES = ("provider", "price", "unpriced", "none", "cache", "passthrough")
 
 _PER_MILLION = 1_000_000.0
 
@@ -53,7 +56,8 @@ def settle_cost(record: CallRecord) -> None:
     elif provider_cost is not None:
         record.cost_usd, record.cost_source = provider_cost, "provider"
     elif usage.total_tokens == 0:
-        record.cost_usd, record.cost_source = 0.0, "none"
+        # A pass-through answer without a usage object we know: recorded, not priced.
+        record.cost_usd, record.cost_source = 0.0, "passthrough" if record.passthrough else "none"
     elif record.price is not None:
         record.cost_usd, record.cost_source = cost_from_price(usage, record.price), "price"
     else:

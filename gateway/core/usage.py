@@ -219,6 +219,8 @@ class CallRecord:
     #: provider | price | unpriced (tokens but no way to price them) | none (no tokens)
     #: | cache (answered from the response cache).
     cost_source: str = "none"
+    #: Relayed by ``/passthrough/...``: with no usage recognised, cost_source is "passthrough".
+    passthrough: bool = False
     #: Response cache: "hit" (answered from the cache: no provider call, cost 0),
     #: "miss" (looked up, called the provider), "bypass" (not cacheable), None (cache off).
     cache: str | None = None

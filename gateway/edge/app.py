@@ -26,7 +26,7 @@ from gateway.admin import routes as admin
 from gateway.auth.keys import KeyStore
 from gateway.core.config import ConfigError, GatewayConfig, Settings
 from gateway.core.db import connect_pool, migrate
-from gateway.edge import chat, completions, dataplane, messages, openapi, ratelimit, telemetry
+from gateway.edge import chat, completions, dataplane, messages, openapi, passthrough, ratelimit, telemetry
 from gateway.http.admission import ADMISSION, AdmissionGate, admission_middleware, default_max_in_flight
 from gateway.http.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
 from gateway.http.middleware import error_middleware, security_headers
@@ -158,6 +158,8 @@ def build_data_app(state: GatewayState) -> web.Application:
     app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
     app.router.add_get("/v1/models", dataplane.list_models)
     app.router.add_post("/v1/embeddings", dataplane.embeddings)
+    for method in openapi.PASSTHROUGH_METHODS:
+        app.router.add_route(method.upper(), passthrough.PASSTHROUGH_ROUTE, passthrough.passthrough)
     return app
 
 

@@ -362,7 +362,7 @@ class _Call:
         # within a second, and an open circuit would keep the deployment out long after.
         self.breaker.report(deployment, Outcome.NEUTRAL, token=token)
         log.error(
-            "provider %s refused the gateway's credential (HTTP %d) for request %s: check providers.%s.api_key",
+            "provider %s refused the gateway's credential (HTTP %d) for request %s: check the credentials of providers.%s",
             target.provider, reply.status, self.record.request_id, target.provider,
         )
         telemetry.upstream_auth_failed(self.state, target.provider, deployment, reply.status)

@@ -270,6 +270,30 @@ _PROVIDER_ANSWER = {
     },
 }
 
+#: The methods ``/passthrough/{provider}/{path}`` relays (gateway/edge/passthrough.py).
+PASSTHROUGH_METHODS = ("get", "post", "put", "patch", "delete")
+
+
+def _passthrough_item() -> dict[str, Any]:
+    parameters = [
+        {"name": "provider", "in": "path", "required": True, "schema": {"type": "string"},
+         "description": "a configured provider's name"},
+        {"name": "path", "in": "path", "required": True, "schema": {"type": "string"},
+         "description": "the path under the provider's base URL, sent with the query and body unchanged"},
+    ]
+    return {method: {
+        "operationId": f"passthrough{method.capitalize()}",
+        "summary": "The provider's own API, relayed unchanged with its credential added server-side",
+        "tags": ["passthrough"], "parameters": parameters,
+        "responses": {
+            **_KEY_ERRORS, **_UPSTREAM_ERRORS,
+            "default": {"description": "the provider's answer (status, headers, body or stream) as it sent it"},
+            "403": error("the key's allowlist holds no passthrough/{provider} (provider_not_allowed)"),
+            "404": error("no such provider (provider_not_found)"),
+        },
+    } for method in PASSTHROUGH_METHODS}
+
+
 def data_plane_document() -> dict[str, Any]:
     """The data plane: health, readiness, chat completions, Anthropic messages, models, embeddings."""
     return {
@@ -357,6 +381,7 @@ def data_plane_document() -> dict[str, Any]:
                     **_KEY_ERRORS, **_UPSTREAM_ERRORS, **_PROVIDER_ANSWER,
                 },
             }},
+            "/passthrough/{provider}/{path}": _passthrough_item(),
         },
         "components": {
             "securitySchemes": {

@@ -15,7 +15,7 @@ from aiohttp import web
 from gateway.core.errors import InvalidRequest, RequestTimeout, RequestTooLarge
 from gateway.http.state import STATE
 
-__all__ = ["bearer_token", "read_json_body"]
+__all__ = ["bearer_token", "read_body", "read_json_body"]
 
 
 def bearer_token(request: web.Request) -> str | None:
@@ -31,6 +31,18 @@ async def read_json_body(request: web.Request, limit: int) -> dict[str, Any]:
     """The request's JSON object; 413 over ``limit`` bytes, 400 if not a JSON object,
     408 if it does not arrive within ``CLIENT_IDLE_TIMEOUT_SECONDS`` (a slow-body client
     must not hold a request slot for ever)."""
+    raw = await read_body(request, limit)
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request's raw body; 413 over ``limit`` bytes, 408 if it arrives too slowly."""
     if request.content_length is not None and request.content_length > limit:
         raise RequestTooLarge(f"request body over {limit} bytes")
     try:
@@ -42,10 +54,4 @@ async def read_json_body(request: web.Request, limit: int) -> dict[str, Any]:
         raise RequestTimeout() from None
     if len(raw) > limit:
         raise RequestTooLarge(f"request body over {limit} bytes")
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise InvalidRequest("request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object", code="invalid_json")
-    return body
+    return raw

@@ -28,7 +28,7 @@ __all__ = [
 def build_provider(
     config: ProviderConfig, session: aiohttp.ClientSession, *, request_timeout: float
 ) -> Provider:
-    """The provider for ``config.type`` (openai | anthropic | mock)."""
+    """The provider for ``config.type`` (openai | anthropic | azure | gemini | bedrock | vertex | mock)."""
     if config.type == "mock":
         from gateway.providers.mock import MockProvider
 
@@ -41,4 +41,20 @@ def build_provider(
         from gateway.providers.anthropic import AnthropicProvider
 
         return AnthropicProvider(config, session, request_timeout=request_timeout)
+    if config.type == "azure":
+        from gateway.providers.azure import AzureProvider
+
+        return AzureProvider(config, session, request_timeout=request_timeout)
+    if config.type == "gemini":
+        from gateway.providers.gemini import GeminiProvider
+
+        return GeminiProvider(config, session, request_timeout=request_timeout)
+    if config.type == "bedrock":
+        from gateway.providers.bedrock import BedrockProvider
+
+        return BedrockProvider(config, session, request_timeout=request_timeout)
+    if config.type == "vertex":
+        from gateway.providers.vertex import VertexProvider
+
+        return VertexProvider(config, session, request_timeout=request_timeout)
     raise ValueError(f"provider type {config.type!r} is not available yet")

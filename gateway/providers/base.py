@@ -266,6 +266,19 @@ class Provider:
         """Host of the provider, for ``server.address``."""
         return None
 
+    @property
+    def passthrough_base(self) -> str:
+        """Where ``/passthrough/{provider}/{path}`` sends ``path`` ("" if nowhere)."""
+        return self.config.base_url
+
+    async def credential_headers(self) -> dict[str, str]:
+        """The headers carrying this provider's credential (for pass-through calls)."""
+        key = self.credential.current()
+        if not key:
+            return {}
+        name, form = self.key_header
+        return {name: form.format(key)}
+
     def keyed_headers(self, base: Mapping[str, str]) -> dict[str, str]:
         """``base`` plus the current key; rebuilt only when the key changed (rotation).
 

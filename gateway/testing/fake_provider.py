@@ -7,7 +7,7 @@ Tests and the benchmark run it on 127.0.0.1 in place of a real provider::
         [--require-key KEY] [--compress accepted|always] [--uvloop]
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``POST /v1/messages``,
-``POST /v1/messages/count_tokens`` and ``GET /v1/models``. Offered ``tools``, both
+``POST /v1/messages/count_tokens`` and ``GET /v1/models`` and ``/v1/echo`` (any method: what arrived, for pass-through tests). Offered ``tools``, both
 wires answer with a tool call (until the last turn is the tool's result).  Failures are scripted through ``POST /_fake/script``
 (``{"steps": [step, ...]}``, a FIFO popped by each chat or messages request;
 ``DELETE`` clears it); ``GET /_fake/stats`` reports what was received and
@@ -532,6 +532,13 @@ async def _models(request: web.Request) -> web.StreamResponse:
     return _json(models_list(created=1_700_000_000))
 
 
+async def _echo(request: web.Request) -> web.StreamResponse:
+    """``/v1/echo`` (any method): what arrived, for pass-through tests; no usage object."""
+    state = request.app[STATE_KEY]
+    raw = await state.record(request)
+    return _json({"method": request.method, "query": dict(request.query), "body_bytes": len(raw)})
+
+
 async def _script_add(request: web.Request) -> web.StreamResponse:
     """``POST /_fake/script``: append ``{"steps": [...]}`` to the script (with
     ``"route": "models"``, to the script of ``GET /v1/models``)."""
@@ -584,6 +591,7 @@ def make_app(config: FakeConfig | None = None) -> web.Application:
     app.router.add_post("/v1/messages", _messages)
     app.router.add_post("/v1/messages/count_tokens", _count_tokens)
     app.router.add_get("/v1/models", _models)
+    app.router.add_route("*", "/v1/echo", _echo)
     app.router.add_post("/_fake/script", _script_add)
     app.router.add_delete("/_fake/script", _script_clear)
     app.router.add_get("/_fake/stats", _stats)

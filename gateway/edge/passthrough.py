@@ -1,0 +1,195 @@
+"""``/passthrough/{provider}/{path}``: a provider's own API, relayed unchanged.
+
+For what the gateway does not translate (batch APIs, files, a vendor's newest route),
+a client calls ``/passthrough/{provider}/{path}`` with its gateway key; the gateway
+checks the key, its allowlist, its limits and its budget as for a chat call, then sends
+the method, ``path``, query and body to the provider's base URL with the provider's
+credential attached server-side (the client's own credential headers are never
+forwarded), and relays the status, headers and body back as they arrive, streams
+included, byte for byte.
+
+Access: a key with a model allowlist may use a provider here only when the allowlist
+holds ``passthrough/{provider}`` (or a pattern matching it, e.g. ``passthrough/*``); a
+key without an allowlist may use every provider.
+
+Billing: the answer is read on the side (gateway/protocols/usage_shapes.py). When it
+carries a usage object of a known wire, the call is recorded with those tokens (priced
+from a configured deployment of that provider and the body's ``model`` when there is
+one); otherwise it is recorded with zero tokens and ``cost_source = passthrough``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fnmatch
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict
+
+from gateway.billing.pricing import settle_cost
+from gateway.core.config import Price
+from gateway.core.errors import ModelNotAllowed, ModelNotFound, UpstreamUnavailable
+from gateway.core.usage import CallRecord, Usage
+from gateway.edge import telemetry
+from gateway.edge.ratelimit import admit
+from gateway.http.bodies import bearer_token, read_body
+from gateway.http.middleware import request_id_of
+from gateway.http.state import STATE, GatewayState
+from gateway.protocols.sse import event_data, iter_events
+from gateway.protocols.usage_shapes import UsageSniffer
+from gateway.providers.base import Provider, ProviderError, client_timeout, map_transport_errors
+
+__all__ = ["PASSTHROUGH_ROUTE", "passthrough"]
+
+log = logging.getLogger("gateway.passthrough")
+
+PASSTHROUGH_ROUTE = "/passthrough/{provider}/{path:.*}"
+
+#: Never forwarded upstream: hop-by-hop headers, the client's credentials (the
+#: provider's are added server-side), and what aiohttp sets itself.
+_REQUEST_DROP = frozenset({
+    "host", "connection", "keep-alive", "proxy-authorization", "proxy-connection", "te", "trailer",
+    "transfer-encoding", "upgrade", "content-length", "authorization", "x-api-key", "api-key",
+    "x-goog-api-key", "cookie", "accept-encoding", "x-request-id",
+})
+#: Never relayed back: hop-by-hop headers and those aiohttp writes for the relay itself.
+_RESPONSE_DROP = frozenset({
+    "connection", "keep-alive", "transfer-encoding", "content-length", "set-cookie", "upgrade",
+    "proxy-authenticate", "trailer", "date", "server",
+})
+#: A whole answer larger than this is relayed but not searched for usage.
+_SNIFF_LIMIT_BYTES = 8 * 1024 * 1024
+
+
+async def passthrough(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    key = await state.auth.authenticate(bearer_token(request))
+    telemetry.key_known(request, key.api_key_id)
+    permit = await admit(request, key)
+    name = request.match_info["provider"]
+    allowed = key.policy.allowed_models
+    if allowed is not None and not any(fnmatch.fnmatchcase(f"passthrough/{name}", p) for p in allowed):
+        raise ModelNotAllowed(f"pass-through to provider {name!r} is not allowed for this key",
+                              code="provider_not_allowed")
+    provider = state.providers.get(name)
+    if provider is None or not provider.passthrough_base:
+        raise ModelNotFound(f"no provider {name!r} to pass through to", code="provider_not_found")
+    state.billing.check_budget(key)
+    raw = await read_body(request, state.settings.body_limit)
+    model = _model_of(raw)
+    record = CallRecord(
+        request_id=request_id_of(request), api_key_id=key.api_key_id, subject_id=key.subject_id,
+        requested_model=model or f"passthrough/{name}", served_model=model, provider=name,
+        deployment=f"{name}/passthrough", passthrough=True,
+    )
+    record.price = _price_of(state, name, model)
+    permit.track(record)
+    started = time.monotonic()
+    try:
+        return await _relay(request, state, provider, raw, record, started)
+    except asyncio.CancelledError:
+        record.outcome, record.status = "cancelled", record.status or 499
+        raise
+    finally:
+        record.latency = time.monotonic() - started
+        _finish(state, record)
+
+
+async def _relay(
+    request: web.Request, state: GatewayState, provider: Provider, raw: bytes, record: CallRecord, started: float,
+) -> web.StreamResponse:
+    headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP)
+    headers.update(await provider.credential_headers())
+    headers["Accept-Encoding"] = "identity"  # so the answer can be read for usage as it passes
+    url = f"{provider.passthrough_base}/{request.match_info['path']}"
+    if request.query_string:
+        url = f"{url}?{request.query_string}"
+    try:
+        with map_transport_errors():
+            upstream = await state.session.request(
+                request.method, url, data=raw or None, headers=headers,
+                timeout=client_timeout(provider.timeouts, stream=True),  # a stream or not: bound the silence
+            )
+    except ProviderError as exc:
+        record.outcome, record.status = "upstream_error", 502
+        raise UpstreamUnavailable(f"provider {provider.name} unreachable: {exc}") from None
+    sniffer = UsageSniffer()
+    response = web.StreamResponse(status=upstream.status, headers={
+        k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_DROP})
+    record.status = upstream.status
+    record.stream = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+    try:
+        await response.prepare(request)
+        if record.stream:
+            async for event in iter_events(_chunks(upstream, response, record, started)):
+                if (data := event_data(event)) is not None:
+                    sniffer.feed_json(data)
+        else:
+            body = bytearray()
+            async for chunk in _chunks(upstream, response, record, started):
+                if len(body) <= _SNIFF_LIMIT_BYTES:
+                    body += chunk
+            if len(body) <= _SNIFF_LIMIT_BYTES:
+                sniffer.feed_json(bytes(body))
+        await response.write_eof()
+    except ProviderError as exc:
+        record.outcome, record.error_type = "cut", type(exc).__name__
+        response.force_close()  # the status is sent: ending the connection tells the client
+    except ConnectionError:
+        record.outcome = "cancelled"
+    finally:
+        upstream.release()
+        if upstream.status >= 400 and record.outcome == "ok":
+            record.outcome = "provider_error"
+        if sniffer.recognised:
+            record.usage = Usage(prompt_tokens=sniffer.prompt_tokens, completion_tokens=sniffer.completion_tokens)
+    return response
+
+
+async def _chunks(
+    upstream: aiohttp.ClientResponse, response: web.StreamResponse, record: CallRecord, started: float
+) -> AsyncIterator[bytes]:
+    """The upstream body chunk by chunk, each written to the client before it is yielded."""
+    with map_transport_errors():
+        async for chunk in upstream.content.iter_any():
+            if record.ttft is None and record.stream:
+                record.ttft = time.monotonic() - started
+            await response.write(chunk)
+            yield chunk
+
+
+def _model_of(raw: bytes) -> str | None:
+    """The body's ``model``, when it is a JSON object naming one (for the ledger and price)."""
+    if not raw.startswith(b"{") or b'"model"' not in raw:
+        return None
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    model = obj.get("model") if isinstance(obj, dict) else None
+    return model[:256] if isinstance(model, str) and model else None
+
+
+def _price_of(state: GatewayState, provider: str, model: str | None) -> Price | None:
+    """The price of a configured deployment of ``provider`` serving ``model``, if any."""
+    if model is None:
+        return None
+    for group in state.config.models:
+        for deployment in group.deployments:
+            if deployment.provider == provider and deployment.model in (model, "*") and deployment.price:
+                return deployment.price
+    return None
+
+
+def _finish(state: GatewayState, record: CallRecord) -> None:
+    settle_cost(record)
+    for listener in state.call_listeners:
+        try:
+            listener(record)
+        except Exception:  # a listener must never fail the request it observes
+            log.exception("call listener failed for %s", record.request_id)

@@ -1,0 +1,302 @@
+"""OpenAI chat completions ↔ AWS Bedrock's Converse API, both ways.
+
+Requests (OpenAI → Converse): system and developer messages become ``system`` text
+blocks; user and assistant turns keep their roles with ``text`` and ``image`` blocks
+(data-URL images only: their bytes, base64 in JSON, with the format from the media
+type); assistant ``tool_calls`` become ``toolUse`` blocks (arguments parsed) and
+``tool`` messages ``toolResult`` blocks in a user turn (a JSON-object result as a
+``json`` block, other text as a ``text`` block); consecutive turns of one role are
+merged, as Converse wants them alternating. ``inferenceConfig`` takes ``max_tokens`` /
+``max_completion_tokens``, ``temperature``, ``top_p`` and ``stop``; ``tools`` become
+``toolConfig.tools[].toolSpec`` and ``tool_choice`` ``toolConfig.toolChoice`` (auto,
+any, or one tool; ``none`` sends no tools, as Converse has no such choice). ``n`` > 1,
+image URLs that are not data URLs, audio and file parts are a 400 of ours.
+
+Answers (Converse → OpenAI): ``output.message.content`` text joined, ``toolUse`` as
+``tool_calls``; ``stopReason`` mapped; ``usage.inputTokens`` (plus cache reads and
+writes) → ``prompt_tokens``, ``outputTokens`` → ``completion_tokens``. ConverseStream's
+events (``messageStart``, ``contentBlockStart`` / ``Delta`` / ``Stop``,
+``messageStop``, ``metadata``) become chunks, the usage chunk and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from gateway.core.errors import InvalidRequest
+from gateway.protocols.chat import (
+    ChunkWriter,
+    UpstreamAnswerError,
+    completion_object,
+    data_url,
+    parse_tool_arguments,
+    text_of,
+    usage_object,
+)
+
+__all__ = ["StreamTranslator", "to_chat_completion", "to_converse", "to_openai_error"]
+
+_FINISH_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "max_tokens": "length",
+    "tool_use": "tool_calls",
+    "guardrail_intervened": "content_filter",
+    "content_filtered": "content_filter",
+}
+_IMAGE_FORMATS = {"image/png": "png", "image/jpeg": "jpeg", "image/jpg": "jpeg", "image/gif": "gif",
+                  "image/webp": "webp"}
+_ERROR_CODES = {
+    "ThrottlingException": ("rate_limit_error", "rate_limit_exceeded"),
+    "ServiceQuotaExceededException": ("rate_limit_error", "rate_limit_exceeded"),
+    "ValidationException": ("invalid_request_error", "invalid_request"),
+    "AccessDeniedException": ("permission_error", "permission_denied"),
+    "UnrecognizedClientException": ("authentication_error", "invalid_api_key"),
+    "InvalidSignatureException": ("authentication_error", "invalid_api_key"),
+    "ResourceNotFoundException": ("invalid_request_error", "model_not_found"),
+    "ModelNotReadyException": ("upstream_error", "overloaded"),
+    "ServiceUnavailableException": ("upstream_error", "overloaded"),
+}
+
+
+def _bad(message: str, code: str = "invalid_request") -> InvalidRequest:
+    return InvalidRequest(f"cannot send to a Bedrock deployment: {message}", code=code)
+
+
+# --------------------------------------------------------------------------- requests
+def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"text": content}] if content else []
+    if not isinstance(content, list):
+        raise _bad(f"{where}: content must be a string or a list of parts")
+    blocks: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            if part["text"]:
+                blocks.append({"text": part["text"]})
+        elif kind == "image_url":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            try:
+                inline = data_url(url) if isinstance(url, str) else None
+            except ValueError as exc:
+                raise _bad(f"{where}.content[{i}]: {exc}") from None
+            if inline is None:
+                raise _bad(f"{where}.content[{i}]: Bedrock takes images as data URLs only")
+            image_format = _IMAGE_FORMATS.get(inline[0])
+            if image_format is None:
+                raise _bad(f"{where}.content[{i}]: image type {inline[0]} is not png, jpeg, gif or webp")
+            blocks.append({"image": {"format": image_format, "source": {"bytes": inline[1]}}})
+        else:
+            raise _bad(f"{where}.content[{i}]: part type {kind!r} is not supported")
+    return blocks
+
+
+def _tool_uses(tool_calls: Any, where: str) -> list[dict[str, Any]]:
+    if tool_calls is None:
+        return []
+    if not isinstance(tool_calls, list):
+        raise _bad(f"{where}.tool_calls must be a list")
+    blocks = []
+    for i, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _bad(f"{where}.tool_calls[{i}] needs function.name")
+        try:
+            arguments = parse_tool_arguments(function.get("arguments"))
+        except ValueError as exc:
+            raise _bad(f"{where}.tool_calls[{i}].function.{exc}", "invalid_tool_arguments") from None
+        blocks.append({"toolUse": {"toolUseId": str(call.get("id") or f"tooluse_{i}"), "name": function["name"],
+                                   "input": arguments}})
+    return blocks
+
+
+def _tool_result(message: Mapping[str, Any], where: str) -> dict[str, Any]:
+    call_id = message.get("tool_call_id")
+    if not isinstance(call_id, str):
+        raise _bad(f"{where}: a tool message needs tool_call_id")
+    text = text_of(message.get("content"), _bad, where)
+    try:
+        parsed = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        parsed = None
+    block = {"json": parsed} if isinstance(parsed, dict) else {"text": text}
+    return {"toolResult": {"toolUseId": call_id, "content": [block]}}
+
+
+def _append(messages: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]) -> None:
+    if not blocks:
+        return
+    if messages and messages[-1]["role"] == role:
+        messages[-1]["content"].extend(blocks)
+    else:
+        messages.append({"role": role, "content": blocks})
+
+
+def _tool_config(tools: Any, choice: Any) -> dict[str, Any] | None:
+    if not isinstance(tools, list):
+        raise _bad("'tools' must be a list")
+    if choice == "none":
+        return None  # Converse has no "none": sending no tools is the same
+    specs = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _bad(f"tools[{i}] must be a function tool with a name")
+        spec: dict[str, Any] = {"name": function["name"],
+                                "inputSchema": {"json": function.get("parameters") or {"type": "object"}}}
+        if isinstance(function.get("description"), str):
+            spec["description"] = function["description"]
+        specs.append({"toolSpec": spec})
+    config: dict[str, Any] = {"tools": specs}
+    if choice == "auto":
+        config["toolChoice"] = {"auto": {}}
+    elif choice == "required":
+        config["toolChoice"] = {"any": {}}
+    elif isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+        config["toolChoice"] = {"tool": {"name": choice["function"]["name"]}}
+    elif choice is not None:
+        raise _bad("'tool_choice' must be auto, none, required or a function")
+    return config
+
+
+def to_converse(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The Converse body for an OpenAI chat body (the model goes in the URL)."""
+    if body.get("n") not in (None, 1):
+        raise _bad("'n' other than 1 is not supported")
+    system: list[dict[str, Any]] = []
+    messages: list[dict[str, Any]] = []
+    for i, message in enumerate(body.get("messages") or []):
+        role = message.get("role")
+        where = f"messages[{i}]"
+        if role in ("system", "developer"):
+            text = text_of(message.get("content"), _bad, where)
+            if text:
+                system.append({"text": text})
+        elif role == "user":
+            _append(messages, "user", _blocks(message.get("content"), where))
+        elif role == "assistant":
+            _append(messages, "assistant",
+                    _blocks(message.get("content"), where) + _tool_uses(message.get("tool_calls"), where))
+        elif role == "tool":
+            _append(messages, "user", [_tool_result(message, where)])
+        else:
+            raise _bad(f"{where}: role {role!r} is not supported")
+    out: dict[str, Any] = {"messages": messages}
+    if system:
+        out["system"] = system
+    inference: dict[str, Any] = {}
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    if max_tokens is not None:
+        inference["maxTokens"] = max_tokens
+    for ours, theirs in (("temperature", "temperature"), ("top_p", "topP")):
+        if body.get(ours) is not None:
+            inference[theirs] = body[ours]
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        inference["stopSequences"] = [stop]
+    elif isinstance(stop, list) and stop:
+        inference["stopSequences"] = list(stop)
+    if inference:
+        out["inferenceConfig"] = inference
+    if body.get("tools"):
+        config = _tool_config(body["tools"], body.get("tool_choice"))
+        if config is not None:
+            out["toolConfig"] = config
+    return out
+
+
+# --------------------------------------------------------------------------- answers
+def _usage(usage: Any) -> dict[str, Any]:
+    usage = usage if isinstance(usage, dict) else {}
+    cached = int(usage.get("cacheReadInputTokens") or 0)
+    prompt = int(usage.get("inputTokens") or 0) + cached + int(usage.get("cacheWriteInputTokens") or 0)
+    return usage_object(prompt, int(usage.get("outputTokens") or 0), cached=cached)
+
+
+def _tool_call(tool_use: Mapping[str, Any]) -> dict[str, Any]:
+    return {"id": tool_use.get("toolUseId"), "type": "function",
+            "function": {"name": tool_use.get("name"), "arguments": orjson.dumps(tool_use.get("input") or {}).decode()}}
+
+
+def to_chat_completion(answer: Mapping[str, Any], *, model: str, response_id: str,
+                       created: int | None = None) -> dict[str, Any]:
+    """The ``chat.completion`` for a whole Converse answer."""
+    output = answer.get("output")
+    message = output.get("message") if isinstance(output, dict) else None
+    if not isinstance(message, dict):
+        raise UpstreamAnswerError("bedrock answered without output.message")
+    blocks = [b for b in message.get("content") or [] if isinstance(b, dict)]
+    text = "".join(b["text"] for b in blocks if isinstance(b.get("text"), str))
+    tool_calls = [_tool_call(b["toolUse"]) for b in blocks if isinstance(b.get("toolUse"), dict)]
+    return completion_object(
+        response_id=response_id, model=model, content=text if text or not tool_calls else None,
+        tool_calls=tool_calls, finish_reason=_FINISH_REASONS.get(str(answer.get("stopReason")), "stop"),
+        usage=_usage(answer.get("usage")), created=created,
+    )
+
+
+def to_openai_error(status: int, raw: bytes, error_type_header: str | None) -> bytes:
+    """A Bedrock error (``{"message"}`` plus ``x-amzn-ErrorType``) in the OpenAI shape."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        obj = None
+    message = str((obj.get("message") or obj.get("Message")) if isinstance(obj, dict) else "") \
+        or f"bedrock answered HTTP {status}"
+    name = (error_type_header or "").split(":")[0]
+    error_type, code = _ERROR_CODES.get(name, ("upstream_error", None))
+    return orjson.dumps({"error": {"message": f"{name}: {message}" if name else message,
+                                   "type": error_type, "code": code}})
+
+
+class StreamTranslator:
+    """Turns one ConverseStream's events (type, JSON payload) into OpenAI chunk events."""
+
+    __slots__ = ("_finish", "_tools", "_usage", "finished", "writer")
+
+    def __init__(self, *, model: str, include_usage: bool, response_id: str, created: int | None = None) -> None:
+        self.writer = ChunkWriter(model=model, include_usage=include_usage, response_id=response_id,
+                                  created=int(time.time()) if created is None else created)
+        #: Content block index → OpenAI tool-call index.
+        self._tools: dict[int, int] = {}
+        self._finish = "stop"
+        self._usage: Any = None
+        self.finished = False
+
+    def feed(self, event_type: str, payload: Mapping[str, Any]) -> list[bytes]:
+        if event_type == "messageStart":
+            return [self.writer.chunk({"role": "assistant", "content": ""})]
+        if event_type == "contentBlockStart":
+            tool_use = (payload.get("start") or {}).get("toolUse")
+            if not isinstance(tool_use, dict):
+                return []
+            index = self._tools.setdefault(int(payload.get("contentBlockIndex", 0)), len(self._tools))
+            call = {"index": index, **_tool_call({**tool_use, "input": {}})}
+            call["function"]["arguments"] = ""  # the arguments follow as toolUse deltas
+            return [self.writer.chunk({"tool_calls": [call]})]
+        if event_type == "contentBlockDelta":
+            delta = payload.get("delta") or {}
+            if isinstance(delta.get("text"), str):
+                return [self.writer.chunk({"content": delta["text"]})]
+            tool_delta = delta.get("toolUse")
+            tool_index = self._tools.get(int(payload.get("contentBlockIndex", 0)))
+            if isinstance(tool_delta, dict) and tool_index is not None:
+                piece = {"index": tool_index, "function": {"arguments": str(tool_delta.get("input") or "")}}
+                return [self.writer.chunk({"tool_calls": [piece]})]
+            return []  # reasoning content has no OpenAI counterpart
+        if event_type == "messageStop":
+            self._finish = _FINISH_REASONS.get(str(payload.get("stopReason")), "stop")
+            return [self.writer.chunk({}, self._finish)]
+        if event_type == "metadata":
+            self._usage = payload.get("usage")
+            self.finished = True
+            return self.writer.end(_usage(self._usage))
+        return []  # contentBlockStop, and event types added later

@@ -1,0 +1,199 @@
+"""Gemini (and Claude) on Google Cloud Vertex AI: project / location URLs, OAuth2 access
+tokens from google-auth.
+
+Needs the ``vertex`` extra (google-auth). Calls go to
+``{base_url}/v1/projects/{project}/locations/{location}/publishers/google/models/{model}:generateContent``
+(and ``:streamGenerateContent?alt=sse``); the translation both ways is the Gemini API's
+(gateway/protocols/gemini.py), shared with gateway/providers/gemini.py. ``base_url``
+defaults to ``https://{location}-aiplatform.googleapis.com`` (``https://aiplatform.googleapis.com``
+for the ``global`` location). Claude models (``claude-*``) go to the ``anthropic``
+publisher's ``:rawPredict`` / ``:streamRawPredict`` with the Messages API mapping of
+gateway/providers/anthropic.py, ``anthropic_version`` set as Vertex wants.
+
+Credentials: a service-account key file (``credentials_file``), else google-auth's
+Application Default Credentials (``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's user
+credentials, the metadata server of GCE / GKE / Cloud Run), scope ``cloud-platform``.
+The access token is fetched on the first call and again when google-auth no longer
+considers it valid (it refreshes a few minutes before expiry), in a worker thread (the
+refresh is blocking I/O), one refresh at a time. Tokens are never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import google.auth
+import google.auth.exceptions
+import orjson
+from google.auth.transport.requests import Request as GoogleAuthRequest
+from google.oauth2 import service_account
+
+from gateway.core.config import ProviderConfig
+from gateway.protocols import gemini as gemini_wire
+from gateway.protocols.chat import wants_usage
+from gateway.protocols.sse import iter_events
+from gateway.providers import anthropic
+from gateway.providers.base import (
+    Timeouts,
+    UpstreamProtocolError,
+    UpstreamReply,
+    map_transport_errors,
+)
+from gateway.providers.gemini import GeminiProvider
+
+__all__ = ["CLOUD_PLATFORM_SCOPE", "VERTEX_ANTHROPIC_VERSION", "GoogleAccessToken", "VertexProvider",
+           "is_anthropic_model"]
+
+CLOUD_PLATFORM_SCOPE = "https://www.googleapis.com/auth/cloud-platform"
+#: The ``anthropic_version`` Vertex AI wants in a Claude request body.
+VERTEX_ANTHROPIC_VERSION = "vertex-2023-10-16"
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def is_anthropic_model(model: str) -> bool:
+    """Claude models are served by Vertex's ``anthropic`` publisher, the rest by ``google``."""
+    return model.startswith("claude")
+
+
+class GoogleAccessToken:
+    """A google-auth credential's access token, refreshed (in a thread) when no longer valid."""
+
+    def __init__(self, credentials_file: str | None) -> None:
+        self._file = credentials_file
+        self._credentials: Any = None
+        self._lock = asyncio.Lock()
+
+    def _load(self) -> Any:
+        if self._file is not None:
+            return service_account.Credentials.from_service_account_file(self._file, scopes=[CLOUD_PLATFORM_SCOPE])
+        credentials, _project = google.auth.default(scopes=[CLOUD_PLATFORM_SCOPE])
+        return credentials
+
+    def _refresh(self) -> None:
+        if self._credentials is None:
+            self._credentials = self._load()
+        self._credentials.refresh(GoogleAuthRequest())
+
+    async def current(self) -> str:
+        """A valid access token; UpstreamProtocolError when none can be had."""
+        credentials = self._credentials
+        if credentials is not None and credentials.valid and credentials.token:
+            return str(credentials.token)
+        async with self._lock:
+            credentials = self._credentials
+            if credentials is None or not credentials.valid or not credentials.token:
+                try:
+                    await asyncio.to_thread(self._refresh)
+                except (google.auth.exceptions.GoogleAuthError, OSError, ValueError) as exc:
+                    # The message names the failure, never a token or a key.
+                    raise UpstreamProtocolError(f"no Google access token: {type(exc).__name__}: {exc}") from None
+        return str(self._credentials.token)
+
+
+class VertexProvider(GeminiProvider):
+    """Speaks the Gemini wire to Vertex AI for one project and location."""
+
+    system = "gcp.vertex_ai"
+    #: Vertex embeds through ``:predict`` with another shape; not mapped.
+    serves_embeddings = False
+
+    def __init__(
+        self, config: ProviderConfig, session: aiohttp.ClientSession, *, request_timeout: float
+    ) -> None:
+        self.location = config.option("location", "us-central1") or "us-central1"
+        self.project = config.option("project") or ""
+        if not config.base_url:
+            host = "aiplatform.googleapis.com" if self.location == "global" else \
+                f"{self.location}-aiplatform.googleapis.com"
+            config = replace(config, base_url=f"https://{host}")
+        super().__init__(config, session, request_timeout=request_timeout)
+        self._token = GoogleAccessToken(config.option("credentials_file"))
+        self._location_url = (
+            f"{config.base_url}/v1/projects/{quote(self.project, safe='')}/locations/{quote(self.location, safe='')}"
+        )
+
+    @property
+    def passthrough_base(self) -> str:
+        return self.config.base_url
+
+    def url(self, model: str, method: str) -> str:
+        name = model.removeprefix("models/")
+        publisher = "anthropic" if is_anthropic_model(name) else "google"
+        return f"{self._location_url}/publishers/{publisher}/models/{quote(name, safe='')}:{method}"
+
+    async def chat(
+        self,
+        body: dict[str, Any],
+        *,
+        stream: bool,
+        headers: Mapping[str, str],
+        timeouts: Timeouts | None = None,
+    ) -> UpstreamReply:
+        model = str(body.get("model") or "")
+        if not is_anthropic_model(model):
+            return await super().chat(body, stream=stream, headers=headers, timeouts=timeouts)
+        # Claude on Vertex: the Messages API body (no model: it is in the URL) with
+        # Vertex's anthropic_version, at :rawPredict / :streamRawPredict.
+        payload = anthropic.to_messages_request(body, stream=stream)
+        payload.pop("model", None)
+        payload["anthropic_version"] = VERTEX_ANTHROPIC_VERSION
+        url = self.url(model, "streamRawPredict" if stream else "rawPredict")
+        resp = await self._post(url, payload, stream=stream, headers=headers, timeouts=timeouts)
+        try:
+            if stream and resp.status < 300 and resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                translator = anthropic.StreamTranslator(model=model, include_usage=wants_usage(body))
+                return UpstreamReply(status=resp.status, headers=_JSON_HEADERS,
+                                     events=_anthropic_events(resp, translator), _release=resp.release)
+            with map_transport_errors():
+                raw = await resp.read()
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+        if resp.status >= 300:
+            reply_headers = dict(_JSON_HEADERS)
+            delay = gemini_wire.retry_delay(raw)
+            if delay is not None:
+                reply_headers["retry-after"] = str(math.ceil(delay))
+            return UpstreamReply(status=resp.status, headers=reply_headers, body=_error_body(resp.status, raw))
+        try:
+            message = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise UpstreamProtocolError("vertex answered a body that is not JSON") from None
+        if not isinstance(message, dict) or message.get("type") != "message":
+            raise UpstreamProtocolError("vertex answered something other than an Anthropic message")
+        if stream:
+            raise UpstreamProtocolError("vertex answered a stream request without an event stream")
+        return UpstreamReply(status=200, headers=_JSON_HEADERS, body=orjson.dumps(anthropic.to_chat_completion(message)))
+
+    async def auth_headers(self) -> Mapping[str, str]:
+        return {**self._headers, "Authorization": f"Bearer {await self._token.current()}"}
+
+    async def credential_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {await self._token.current()}"}
+
+
+async def _anthropic_events(
+    resp: aiohttp.ClientResponse, translator: anthropic.StreamTranslator
+) -> AsyncIterator[bytes]:
+    with map_transport_errors():
+        async for event in iter_events(resp.content.iter_any()):
+            for out in translator.feed(event):
+                yield out
+
+
+def _error_body(status: int, raw: bytes) -> bytes:
+    """Google's error shape (auth, quota) or Anthropic's (the model's own), as OpenAI's."""
+    try:
+        error = orjson.loads(raw).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        error = None
+    if isinstance(error, dict) and "status" in error:
+        return gemini_wire.to_openai_error(status, raw)
+    return anthropic.to_openai_error(status, raw)

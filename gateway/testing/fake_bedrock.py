@@ -1,0 +1,204 @@
+"""A fake AWS Bedrock runtime: Converse and ConverseStream, checked as AWS checks them.
+
+``POST /model/{modelId}/converse`` and ``/converse-stream``. Every request must carry a
+SigV4 signature (``AWS4-HMAC-SHA256``, service ``bedrock``) that the fake verifies by
+recomputing it with botocore's signer over the headers named in ``SignedHeaders``, the
+raw path, the body and ``X-Amz-Date`` (more than 5 minutes off is refused), for a known
+access key; failures answer AWS's 403s (``UnrecognizedClientException``,
+``InvalidSignatureException``) with ``x-amzn-ErrorType``. Streams are
+``application/vnd.amazon.eventstream`` binary frames (prelude, string headers
+``:event-type`` / ``:message-type`` / ``:content-type``, JSON payload, both CRC32s),
+encoded here by :func:`encode_frame`.
+
+Answers: text "This is a mock answer to: <last user text>"; with tools and a last user
+turn that is not a tool result, a ``toolUse`` of the first tool; after a tool result,
+text quoting it. Script steps (``VendorState.script``): ``{"status": 429}`` (a
+``ThrottlingException``), ``{"stream_exception": "throttlingException"}`` (an exception
+frame after the first two events), ``{"corrupt_crc": true}`` (the third frame's CRC broken).
+"""
+
+from __future__ import annotations
+
+import calendar
+import itertools
+import struct
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+from botocore.auth import SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
+
+from gateway.core.tokens import count_tokens
+from gateway.testing.fake_vendor import STATE_KEY, VendorState, json_response
+
+__all__ = ["BedrockFake", "encode_frame", "make_app"]
+
+_MAX_SKEW_SECONDS = 300
+
+
+@dataclass(slots=True)
+class BedrockFake:
+    """What the fake accepts."""
+
+    access_key: str = "AKIAFAKEFAKEFAKE0001"
+    secret_key: str = "fake/secret/key/for/sigv4/tests/0000000001"
+    region: str = "eu-west-1"
+    models: tuple[str, ...] = ("anthropic.claude-3-5-haiku-20241022-v1:0", "amazon.nova-lite-v1:0")
+    state: VendorState = field(default_factory=VendorState)
+    #: What each verified request was signed with (date header, signed header names).
+    signatures: list[dict[str, Any]] = field(default_factory=list)
+
+
+def encode_frame(headers: dict[str, str], payload: bytes) -> bytes:
+    """One event-stream message: prelude (lengths + CRC), string headers, payload, CRC."""
+    encoded = b"".join(
+        bytes([len(name)]) + name.encode() + b"\x07" + struct.pack(">H", len(value.encode())) + value.encode()
+        for name, value in headers.items())
+    prelude = struct.pack(">II", 12 + len(encoded) + len(payload) + 4, len(encoded))
+    message = prelude + struct.pack(">I", zlib.crc32(prelude)) + encoded + payload
+    return message + struct.pack(">I", zlib.crc32(message))
+
+
+def _event(event_type: str, payload: dict[str, Any]) -> bytes:
+    return encode_frame({":event-type": event_type, ":content-type": "application/json", ":message-type": "event"},
+                        orjson.dumps(payload))
+
+
+def _aws_error(status: int, name: str, message: str) -> web.Response:
+    return json_response({"message": message}, status,
+                         {"x-amzn-ErrorType": f"{name}:http://internal.amazon.com/coral/com.amazon.bedrock/",
+                          "x-amzn-RequestId": "fake-error"})
+
+
+def _verify_signature(request: web.Request, body: bytes, fake: BedrockFake) -> web.Response | None:
+    """None when the SigV4 signature recomputes; else AWS's 403."""
+    auth = request.headers.get("Authorization", "")
+    if not auth.startswith("AWS4-HMAC-SHA256 "):
+        return _aws_error(403, "MissingAuthenticationTokenException", "Missing Authentication Token")
+    fields = dict(item.strip().split("=", 1) for item in auth[len("AWS4-HMAC-SHA256 "):].split(","))
+    access_key, date, region, service, _ = fields["Credential"].split("/")
+    if access_key != fake.access_key:
+        return _aws_error(403, "UnrecognizedClientException", "The security token included in the request is invalid.")
+    stamp = request.headers.get("X-Amz-Date", "")
+    try:
+        signed_at = calendar.timegm(time.strptime(stamp, "%Y%m%dT%H%M%SZ"))
+    except ValueError:
+        return _aws_error(400, "IncompleteSignatureException", "X-Amz-Date is missing or malformed")
+    if abs(time.time() - signed_at) > _MAX_SKEW_SECONDS:
+        return _aws_error(403, "InvalidSignatureException", "Signature expired")
+    if (region, service) != (fake.region, "bedrock") or date != stamp[:8]:
+        return _aws_error(403, "InvalidSignatureException", "Credential should be scoped to a valid region and service")
+    names = fields["SignedHeaders"].split(";")
+    headers = {name: request.headers[name] for name in names if name != "host" and name in request.headers}
+    url = f"{request.scheme}://{request.headers.get('Host', request.host)}{request.raw_path}"
+    recomputed = AWSRequest(method=request.method, url=url, data=body, headers=headers)
+    recomputed.context["timestamp"] = stamp
+    token = request.headers.get("X-Amz-Security-Token")
+    signer = SigV4Auth(Credentials(fake.access_key, fake.secret_key, token), "bedrock", region)
+    expected = signer.signature(signer.string_to_sign(recomputed, signer.canonical_request(recomputed)), recomputed)
+    if expected != fields["Signature"]:
+        return _aws_error(403, "InvalidSignatureException",
+                          "The request signature we calculated does not match the signature you provided.")
+    fake.signatures.append({"date": stamp, "signed_headers": names, "token": token})
+    return None
+
+
+def _answer_blocks(body: dict[str, Any]) -> list[dict[str, Any]]:
+    last = body["messages"][-1]
+    results = [b["toolResult"] for b in last["content"] if "toolResult" in b]
+    if results:
+        return [{"text": "Tool said: " + orjson.dumps(results[0]["content"]).decode()}]
+    last_text = next((b["text"] for b in reversed(last["content"]) if "text" in b), "")
+    tools = (body.get("toolConfig") or {}).get("tools") or []
+    if tools and last["role"] == "user":
+        return [{"toolUse": {"toolUseId": "tooluse_fake1", "name": tools[0]["toolSpec"]["name"],
+                             "input": {"query": last_text}}}]
+    return [{"text": f"This is a mock answer to: {last_text}"}]
+
+
+def _validate(body: Any) -> str | None:
+    if not isinstance(body, dict):
+        return "Malformed input request"
+    unknown = set(body) - {"messages", "system", "inferenceConfig", "toolConfig", "guardrailConfig",
+                           "additionalModelRequestFields", "additionalModelResponseFieldPaths"}
+    if unknown:
+        return f"extraneous key [{sorted(unknown)[0]}] is not permitted"
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or messages[0].get("role") != "user":
+        return "A conversation must start with a user message."
+    for a, b in itertools.pairwise(messages):
+        if a.get("role") == b.get("role"):
+            return "A conversation must alternate between user and assistant roles."
+    return None
+
+
+async def _converse(request: web.Request) -> web.StreamResponse:
+    fake: BedrockFake = request.app[_FAKE_KEY]
+    raw = await request.read()
+    body = await fake.state.record(request)
+    if (denied := _verify_signature(request, raw, fake)) is not None:
+        return denied
+    model = request.match_info["model"]
+    if model not in fake.models:
+        return _aws_error(404, "ResourceNotFoundException", "Model not found")
+    if (problem := _validate(body)) is not None:
+        return _aws_error(400, "ValidationException", problem)
+    step = fake.state.next_step()
+    if step.get("status") == 429:
+        return _aws_error(429, "ThrottlingException", "Too many requests, please wait before trying again.")
+    blocks = _answer_blocks(body)
+    prompt = sum(count_tokens(b.get("text", "")) for m in body["messages"] for b in m["content"])
+    prompt += sum(count_tokens(s.get("text", "")) for s in body.get("system") or [])
+    output = sum(count_tokens(b["text"]) if "text" in b else 6 for b in blocks)
+    stop = "tool_use" if "toolUse" in blocks[0] else "end_turn"
+    usage = {"inputTokens": prompt, "outputTokens": output, "totalTokens": prompt + output}
+    if request.match_info["operation"] == "converse":
+        return json_response({"output": {"message": {"role": "assistant", "content": blocks}}, "stopReason": stop,
+                              "usage": usage, "metrics": {"latencyMs": 12}},
+                             headers={"x-amzn-RequestId": f"req-{len(fake.state.calls)}"})
+    frames = [_event("messageStart", {"role": "assistant"})]
+    if "text" in blocks[0]:
+        for i, word in enumerate(blocks[0]["text"].split(" ")):
+            frames.append(_event("contentBlockDelta", {"contentBlockIndex": 0,
+                                                       "delta": {"text": word if i == 0 else f" {word}"}}))
+    else:
+        tool = blocks[0]["toolUse"]
+        frames.append(_event("contentBlockStart", {"contentBlockIndex": 0, "start": {
+            "toolUse": {"toolUseId": tool["toolUseId"], "name": tool["name"]}}}))
+        arguments = orjson.dumps(tool["input"]).decode()
+        for piece in (arguments[: len(arguments) // 2], arguments[len(arguments) // 2:]):
+            frames.append(_event("contentBlockDelta", {"contentBlockIndex": 0, "delta": {"toolUse": {"input": piece}}}))
+    frames += [_event("contentBlockStop", {"contentBlockIndex": 0}), _event("messageStop", {"stopReason": stop}),
+               _event("metadata", {"usage": usage, "metrics": {"latencyMs": 12}})]
+    if step.get("stream_exception"):
+        frames = [*frames[:2], encode_frame({":exception-type": step["stream_exception"], ":content-type": "application/json", ":message-type": "exception"}, b'{"message":"Too many requests"}')]
+    if step.get("corrupt_crc"):
+        broken = bytearray(frames[2])
+        broken[-1] ^= 0xFF
+        frames[2] = bytes(broken)
+    response = web.StreamResponse(headers={"Content-Type": "application/vnd.amazon.eventstream",
+                                           "x-amzn-RequestId": f"req-{len(fake.state.calls)}"})
+    await response.prepare(request)
+    for frame in frames:
+        # Split frames across writes, as TCP may: the parser must reassemble them.
+        await response.write(frame[:7])
+        await response.write(frame[7:])
+    await response.write_eof()
+    return response
+
+
+_FAKE_KEY = web.AppKey("bedrock_fake", BedrockFake)
+
+
+def make_app(fake: BedrockFake) -> web.Application:
+    """The fake runtime endpoint serving ``fake``'s rules."""
+    app = web.Application()
+    app[_FAKE_KEY] = fake
+    app[STATE_KEY] = fake.state
+    app.router.add_post("/model/{model}/{operation:converse|converse-stream}", _converse)
+    return app

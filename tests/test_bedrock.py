@@ -1,0 +1,239 @@
+"""AWS Bedrock behind the gateway: Converse / ConverseStream with SigV4 (verified by the
+fake by recomputing it), the binary event stream with its CRCs, credentials from the
+standard AWS chain, tools, throttling and failover, usage in the ledger."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import openai
+import orjson
+import pytest
+from aiohttp.test_utils import TestServer
+
+from gateway.core import extras
+from gateway.core.config import ConfigError, load_config, load_settings
+from gateway.core.errors import InvalidRequest
+from gateway.protocols.bedrock import to_converse
+from gateway.testing.fake_bedrock import BedrockFake, make_app
+from tests.conftest import FakeUpstream, Gateway, auth, chat_body, sse_payloads
+from tests.fleet import fleet_config, records
+
+HAIKU = "anthropic.claude-3-5-haiku-20241022-v1:0"
+TOOLS = [{"type": "function", "function": {"name": "search", "description": "Search",
+                                           "parameters": {"type": "object", "properties": {"query": {"type": "string"}}}}}]
+PRICE = {"input_per_mtok": 0.8, "output_per_mtok": 4.0}
+
+
+@pytest.fixture
+def aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> BedrockFake:
+    """The standard chain sees only these environment credentials (no files, no IMDS)."""
+    fake = BedrockFake()
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", fake.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", fake.secret_key)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    return fake
+
+
+@pytest.fixture
+async def bedrock(aws_env: BedrockFake) -> AsyncIterator[tuple[BedrockFake, str]]:
+    server = TestServer(make_app(aws_env), host="127.0.0.1")
+    await server.start_server()
+    yield aws_env, f"http://127.0.0.1:{server.port}"
+    await server.close()
+
+
+def bedrock_provider(url: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "bedrock", "base_url": url, "region": "eu-west-1", **extra}
+
+
+@pytest.fixture
+async def gw(gateway_factory: Any, bedrock: tuple[BedrockFake, str], fake: FakeUpstream) -> Gateway:
+    _, url = bedrock
+    return await gateway_factory(config_yaml=fleet_config(  # type: ignore[no-any-return]
+        {"aws": bedrock_provider(url), "backup": fake},
+        [{"name": "haiku", "deployments": [{"provider": "aws", "model": HAIKU, "price": PRICE}]},
+         {"name": "mixed", "deployments": [{"provider": "aws", "model": HAIKU, "priority": 0},
+                                           {"provider": "backup", "model": "m2", "priority": 1}]}]))
+
+
+def sdk(gw: Gateway, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gw.url("/v1"), api_key=key, max_retries=0)
+
+
+def test_request_translation() -> None:
+    out = to_converse({"model": HAIKU, "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Look"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64,/9j/4A=="}}]},
+        {"role": "assistant", "content": "Calling.", "tool_calls": [
+            {"id": "tu_1", "type": "function", "function": {"name": "search", "arguments": '{"query": "x"}'}}]},
+        {"role": "tool", "tool_call_id": "tu_1", "content": '{"hits": 1}'},
+        {"role": "user", "content": "thanks"},
+    ], "max_tokens": 64, "temperature": 0.3, "top_p": 0.8, "stop": ["END"], "tools": TOOLS, "tool_choice": "required",
+        "presence_penalty": 1})
+    assert out["system"] == [{"text": "Be brief."}]
+    assert [m["role"] for m in out["messages"]] == ["user", "assistant", "user"]
+    assert out["messages"][0]["content"][1] == {"image": {"format": "jpeg", "source": {"bytes": "/9j/4A=="}}}
+    assert out["messages"][1]["content"] == [{"text": "Calling."}, {"toolUse": {"toolUseId": "tu_1", "name": "search",
+                                                                                  "input": {"query": "x"}}}]
+    assert out["messages"][2]["content"] == [{"toolResult": {"toolUseId": "tu_1", "content": [{"json": {"hits": 1}}]}},
+                                             {"text": "thanks"}]
+    assert out["inferenceConfig"] == {"maxTokens": 64, "temperature": 0.3, "topP": 0.8, "stopSequences": ["END"]}
+    assert out["toolConfig"]["toolChoice"] == {"any": {}}
+    assert out["toolConfig"]["tools"][0]["toolSpec"]["inputSchema"] == {"json": TOOLS[0]["function"]["parameters"]}
+    assert set(out) == {"messages", "system", "inferenceConfig", "toolConfig"}
+    with pytest.raises(InvalidRequest):
+        to_converse({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.test/cat.png"}}]}]})
+
+
+async def test_a_signed_converse_call(gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str) -> None:
+    fake, _ = bedrock
+    answer = await sdk(gw, api_key).chat.completions.create(
+        model="haiku", messages=[{"role": "system", "content": "Terse."}, {"role": "user", "content": "hello aws"}],
+        max_tokens=32)
+    assert answer.choices[0].message.content == "This is a mock answer to: hello aws"
+    assert answer.choices[0].finish_reason == "stop" and answer.id.startswith("bedrock-req-")
+    assert answer.usage is not None and answer.usage.prompt_tokens == 3
+    (call,) = fake.state.model_calls()
+    assert call.path == f"/model/{HAIKU}/converse"
+    assert call.body["system"] == [{"text": "Terse."}] and call.body["inferenceConfig"] == {"maxTokens": 32}
+    (signature,) = fake.signatures  # recomputed and matched by the fake
+    assert {"host", "x-amz-date", "content-type"} <= set(signature["signed_headers"])
+
+
+async def test_session_tokens_and_profile_files_come_from_the_standard_chain(
+    gateway_factory: Any, bedrock: tuple[BedrockFake, str], api_key: str, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    fake, url = bedrock
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    credentials = tmp_path / "credentials"
+    credentials.write_text(f"[team]\naws_access_key_id = {fake.access_key}\n"
+                           f"aws_secret_access_key = {fake.secret_key}\naws_session_token = sess-token-1\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"aws": bedrock_provider(url, profile="team")},
+        [{"name": "haiku", "deployments": [{"provider": "aws", "model": HAIKU}]}]))
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="haiku"), headers=auth(api_key))
+    assert resp.status == 200, await resp.text()
+    assert fake.signatures[-1]["token"] == "sess-token-1"
+    assert "x-amz-security-token" in fake.signatures[-1]["signed_headers"]
+
+
+async def test_a_wrong_secret_fails_aws_signature_check(
+    gateway_factory: Any, bedrock: tuple[BedrockFake, str], api_key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, url = bedrock
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"aws": bedrock_provider(url)}, [{"name": "haiku", "deployments": [{"provider": "aws", "model": HAIKU}]}]))
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="haiku"), headers=auth(api_key))
+    # AWS refused our signature (403): the gateway's credential is wrong, not the client's
+    # key, so the client gets 502 upstream_auth_failed (issue 17 item 4), not AWS's 403.
+    assert resp.status == 502
+    error = (await resp.json())["error"]
+    assert error["code"] == "upstream_auth_failed" and "InvalidSignature" not in error["message"]
+    assert "not-the-secret" not in json.dumps(error)
+
+
+async def test_converse_stream_frames_become_chunks_and_usage_is_billed(
+    gw: Gateway, api_key: str, db_pool: asyncpg.Pool
+) -> None:
+    request_id = f"br-{uuid.uuid4().hex[:10]}"
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body("stream from aws", model="haiku", stream=True),
+                              headers={**auth(api_key), "x-request-id": request_id})
+    assert resp.status == 200
+    payloads = sse_payloads(await resp.read())
+    assert payloads[-1] == b"[DONE]"
+    chunks = [orjson.loads(p) for p in payloads[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == \
+        "This is a mock answer to: stream from aws"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert not any(c.get("usage") for c in chunks)
+    assert await gw.state.billing.flush()
+    row = await db_pool.fetchrow("SELECT * FROM usage_ledger WHERE request_id = $1", request_id)
+    assert row["provider"] == "aws" and row["streamed"] and not row["usage_estimated"]
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (3, 9)
+    assert row["cost_source"] == "price" and row["cost_usd"] > 0
+
+
+async def test_tool_use_whole_and_streamed(gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str) -> None:
+    fake, _ = bedrock
+    client = sdk(gw, api_key)
+    messages: list[Any] = [{"role": "user", "content": "find it"}]
+    first = await client.chat.completions.create(model="haiku", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    (call,) = first.choices[0].message.tool_calls or []
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert (call.id, call.function.name, json.loads(call.function.arguments)) == (
+        "tooluse_fake1", "search", {"query": "find it"})
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "found"}]
+    second = await client.chat.completions.create(model="haiku", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    assert second.choices[0].message.content == 'Tool said: [{"text":"found"}]'
+    assert fake.state.model_calls()[-1].body["messages"][2]["content"] == [
+        {"toolResult": {"toolUseId": "tooluse_fake1", "content": [{"text": "found"}]}}]
+    stream = await client.chat.completions.create(model="haiku", messages=messages[:1], tools=TOOLS,  # type: ignore[arg-type]
+                                                  stream=True)
+    arguments, finish = "", None
+    async for chunk in stream:
+        for choice in chunk.choices:
+            for piece in choice.delta.tool_calls or []:
+                arguments += (piece.function.arguments or "") if piece.function else ""
+            finish = choice.finish_reason or finish
+    assert json.loads(arguments) == {"query": "find it"} and finish == "tool_calls"
+
+
+async def test_throttling_cools_bedrock_and_fails_over_to_another_vendor(
+    gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str
+) -> None:
+    fake, _ = bedrock
+    calls = records(gw)
+    fake.state.script.append({"status": 429})
+    client = sdk(gw, api_key)
+    first = await client.chat.completions.create(model="mixed", messages=[{"role": "user", "content": "1"}])
+    second = await client.chat.completions.create(model="mixed", messages=[{"role": "user", "content": "2"}])
+    assert first.model == second.model == "m2"
+    assert len(fake.state.model_calls()) == 1  # cooled after its ThrottlingException
+    assert calls[0].failovers == 1 and calls[0].provider == "backup"
+
+
+@pytest.mark.parametrize("step", [{"stream_exception": "throttlingException"}, {"corrupt_crc": True}])
+async def test_a_broken_event_stream_ends_with_one_error_event(
+    gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str, step: dict[str, Any]
+) -> None:
+    fake, _ = bedrock
+    fake.state.script.append(step)
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="haiku", stream=True),
+                              headers=auth(api_key))
+    assert resp.status == 200
+    payloads = sse_payloads(await resp.read())
+    assert payloads[-1] != b"[DONE]"
+    error = orjson.loads(payloads[-1])["error"]
+    expected = "throttlingException" if "stream_exception" in step else "ChecksumMismatch"
+    assert expected in error["message"]
+
+
+def test_a_bedrock_provider_without_its_extra_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(extras.EXTRAS, "bedrock", ("no_such_module_for_this_test",))
+    path = tmp_path / "g.yaml"
+    path.write_text(fleet_config({"aws": {"type": "bedrock", "region": "us-east-1"}},
+                                 [{"name": "m", "deployments": [{"provider": "aws", "model": "x"}]}]))
+    environ = {"GATEWAY_CONFIG": str(path), "DATABASE_URL": "postgresql://x/y"}
+    with pytest.raises(ConfigError) as caught:
+        load_config(load_settings(environ), environ)
+    assert str(caught.value) == ("providers.aws.type: bedrock needs the bedrock extra "
+                                 "(pip install 'llm-gateway[bedrock]')")
