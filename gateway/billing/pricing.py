@@ -17,44 +17,50 @@ from __future__ import annotations
 
 import math
 
+from gateway.billing.reservations import cost_micro_usd, micro_usd
 from gateway.core.config import Price
 from gateway.core.usage import CallRecord, Usage
 
 __all__ = ["COST_SOURCES", "cost_from_price", "settle_cost"]
 
 #: Every value ``CallRecord.cost_source`` takes (the ledger's check constraint agrees).
-COST_SOURCES = ("provider", "price", "unpriced", "none")
+COST_SOURCES = ("provider", "price", "unpriced", "none", "cache")
 
-_PER_MILLION = 1_000_000.0
+_PER_MILLION = 1_000_000
 
 
 def cost_from_price(usage: Usage, price: Price) -> float:
-    """USD for ``usage`` at ``price`` (per million input and output tokens)."""
-    return (
-        usage.prompt_tokens * price.input_per_mtok + usage.completion_tokens * price.output_per_mtok
-    ) / _PER_MILLION
+    """USD for ``usage`` at ``price`` (per million input and output tokens), rounded up to
+    the micro-dollar: exactly what the ledger and the budgets count."""
+    return cost_micro_usd(usage.prompt_tokens, usage.completion_tokens, price) / _PER_MILLION
 
 
-def _provider_cost(usage: Usage) -> float | None:
-    """The provider's own USD cost when it is a usable number, else None."""
+def _provider_cost(usage: Usage) -> int | None:
+    """The provider's own cost in micro-USD when it is a usable number, else None."""
     cost = usage.cost_usd
     if cost is None or not math.isfinite(cost) or cost < 0:
         return None
-    return cost
+    return micro_usd(cost)
 
 
 def settle_cost(record: CallRecord) -> None:
-    """Set ``record.cost_usd`` and ``record.cost_source`` from its usage and price."""
+    """Set ``record.cost_micro_usd``, ``cost_usd`` and ``cost_source`` from its usage and price.
+
+    The exact figure is the integer micro-USD; ``cost_usd`` is the same amount as a float
+    for metrics and logs (micro-USD / 10^6 prints as the exact decimal)."""
     usage = record.usage
     provider_cost = _provider_cost(usage)
     if record.cache == "hit":
         # Answered from the response cache: the provider was not called.
-        record.cost_usd, record.cost_source = 0.0, "cache"
+        micro, record.cost_source = 0, "cache"
     elif provider_cost is not None:
-        record.cost_usd, record.cost_source = provider_cost, "provider"
+        micro, record.cost_source = provider_cost, "provider"
     elif usage.total_tokens == 0:
-        record.cost_usd, record.cost_source = 0.0, "none"
+        micro, record.cost_source = 0, "none"
     elif record.price is not None:
-        record.cost_usd, record.cost_source = cost_from_price(usage, record.price), "price"
+        micro = cost_micro_usd(usage.prompt_tokens, usage.completion_tokens, record.price)
+        record.cost_source = "price"
     else:
-        record.cost_usd, record.cost_source = 0.0, "unpriced"
+        micro, record.cost_source = 0, "unpriced"
+    record.cost_micro_usd = micro
+    record.cost_usd = micro / _PER_MILLION

@@ -86,6 +86,8 @@ class Settings:
     billing_journal_dir: Path | None = None
     #: How often billing ships its journal to the ledger (``BILLING_SHIP_INTERVAL_SECONDS``).
     billing_ship_interval: float = 0.1
+    #: How long a budget reservation of a process that died holds before it expires.
+    budget_reservation_ttl: float = 600.0
 
     @property
     def journal_dir(self) -> Path:
@@ -235,6 +237,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         home=Path(home_raw).expanduser() if home_raw else Settings().home,
         billing_journal_dir=Path(journal_raw).expanduser() if (journal_raw := env.get("BILLING_JOURNAL_DIR")) else None,
         billing_ship_interval=_number(env, "BILLING_SHIP_INTERVAL_SECONDS", 0.1, integer=False, minimum=0.001),
+        budget_reservation_ttl=_number(env, "BUDGET_RESERVATION_TTL_SECONDS", 600.0, integer=False, minimum=1),
     )
 
 
@@ -311,6 +314,8 @@ class ModelGroup:
     timeout: float | None = None
     idle_timeout: float | None = None
     cache: CachePolicy | None = None
+    #: Output tokens a budget reserves for a call that sends no ``max_tokens``.
+    max_output_tokens: int | None = None
 
     @property
     def is_wildcard(self) -> bool:
@@ -522,7 +527,7 @@ def _model_group(raw: Any, path: str, providers: Mapping[str, ProviderConfig]) -
     s = _Section(
         raw, path,
         ("name", "strategy", "deployments", "fallbacks", "connect_timeout_seconds", "timeout_seconds",
-         "idle_timeout_seconds", "cache"),
+         "idle_timeout_seconds", "cache", "max_output_tokens"),
     )
     name = s.text("name", required=True)
     if "*" in name[:-1]:
@@ -544,6 +549,7 @@ def _model_group(raw: Any, path: str, providers: Mapping[str, ProviderConfig]) -
         timeout=s.num("timeout_seconds", None, minimum=0.001),
         idle_timeout=s.num("idle_timeout_seconds", None, minimum=0.001),
         cache=_cache_policy(raw["cache"], f"{path}.cache") if raw.get("cache") is not None else None,
+        max_output_tokens=s.num("max_output_tokens", None, minimum=1, integer=True),
     )
 
 

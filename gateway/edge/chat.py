@@ -81,7 +81,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json_body(request, state.settings.body_limit)
     model, stream = parse_chat_body(body)
     route = state.router.resolve(model, key.policy.allowed_models)
-    state.billing.check_budget(key)  # 402 from in-memory counters: no hop, no database trip
     cache = None if state.cache is None else state.cache.ticket(
         route.group.name, model, body, key.api_key_id, key.subject_id, request.headers
     )
@@ -92,6 +91,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         requested_model=model,
         stream=stream,
     )
+    # Budget hook: the call's worst case is held before anything is sent (402 if it cannot
+    # be), and released at its real cost in the finally below (gateway/billing/gate.py).
+    reservation = await state.billing.reserve(key, record, route, state.router, body)
     permit.track(record)
     started = time.monotonic()
     observed = telemetry.begin_call(request, record, body)
@@ -115,6 +117,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         record.latency = time.monotonic() - started
         record.cache = None if cache is None else cache.status
         _finish(state, record)
+        state.billing.settle(reservation, record)  # budget hook: release at the real cost
         telemetry.end_call(request, observed, record)
 
 
