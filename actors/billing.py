@@ -534,9 +534,9 @@ class BillingHandle:
 
         Raises BudgetExceeded (402) if it does not fit, ServiceUnavailable (503) if the
         store is away; None (and no I/O at all) for a key with no budget. The worst case is
-        the prompt's token bound times the highest input price among the deployments the
-        call may reach (fallbacks included), plus its output cap times the highest output
-        price (nothing for embeddings).
+        the prompt's token bound at the input price plus its output cap (none for
+        embeddings) at the output price, on the dearest deployment the call may reach
+        (fallbacks included).
         """
         policy = key.policy
         if not self._gate.applies(key.subject_id, policy.budget_usd):

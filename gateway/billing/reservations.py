@@ -190,13 +190,13 @@ for i = 1, n do
   for j = 1, #all, 2 do
     if string.sub(all[j], 1, 2) == 'r:' then used = used + tonumber(all[j + 1]) end
   end
-  if used + amount > tonumber(ARGV[4 + n + i]) then return {0, i} end
+  if used + amount > tonumber(ARGV[3 + n + i]) then return {0, i} end
 end
 for i = 1, n do
   local h, z = KEYS[2 * i - 1], KEYS[2 * i]
   redis.call('HSET', h, 'r:' .. id, amount)
   redis.call('ZADD', z, now + ttl, id)
-  local keep = tonumber(ARGV[4 + i])
+  local keep = tonumber(ARGV[3 + i])
   if keep > 0 then redis.call('EXPIRE', h, keep); redis.call('EXPIRE', z, keep) end
 end
 return {1}
