@@ -196,6 +196,7 @@ class BillingActor(Actor[Record | Flush | Spend | Settle]):
             reservations or PostgresReservations(pool), ttl=reservation_ttl, subject_budgets=self.subject_budgets
         )
         self._settling: set[asyncio.Task[None]] = set()
+        self._budgeted_keys = 0
         self._flush_waiters: list[asyncio.Future[bool]] = []
         self._wake_shipper = asyncio.Event()
         self._stopping = False
@@ -288,6 +289,11 @@ class BillingActor(Actor[Record | Flush | Spend | Settle]):
             self._wake_shipper.set()
         if log.isEnabledFor(logging.INFO):
             _log_billing(event)
+
+    @property
+    def has_budgets(self) -> bool:
+        """Does any key or subject have a budget (as of the last refresh)?"""
+        return self._budgeted_keys > 0 or bool(self._subject_budgets)
 
     def settle_later(self, reservation: Reservation, cost_micro_usd: int) -> None:
         """Release a reservation in a task of its own (never inline: it is store I/O)."""
@@ -447,6 +453,7 @@ class BillingActor(Actor[Record | Flush | Spend | Settle]):
             return
         unshipped_keys, unshipped_subjects = self.journal.unshipped_spend()
         _replace(self._key_spent, snapshot.key_spend, unshipped_keys)
+        self._budgeted_keys = len(snapshot.key_spend)
         _replace(self._subject_spent, snapshot.subject_spend, unshipped_subjects)
         self._subject_budgets.clear()
         self._subject_budgets.update(snapshot.subject_budgets)

@@ -152,6 +152,15 @@ async def test_an_unpriced_deployment_under_a_budget_is_refused_with_the_reason(
     assert await call(gw, free) == 200  # no budget: never asked about prices
 
 
+async def test_start_up_names_unpriced_deployments_when_budgets_exist(
+    gateway_factory: Any, fake: FakeUpstream, key_factory: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    await key_factory(budget_usd=Decimal("1"), budget_period="day")
+    await gateway_factory(config_yaml=priced(fake.url, None))
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "no price" in r.getMessage()]
+    assert lines and "* -> fake/*" in lines[0], lines
+
+
 async def test_redis_outage_fails_budgeted_calls_closed_and_recovers(
     gateway_factory: Any, fake: FakeUpstream, key_factory: Any, redis_url: str, redis_proxy: Any
 ) -> None:

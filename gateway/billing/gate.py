@@ -26,10 +26,10 @@ from gateway.billing.reservations import (
     is_finite_price,
     worst_case_micro_usd,
 )
-from gateway.core.config import Price
+from gateway.core.config import GatewayConfig, Price
 from gateway.core.errors import BudgetExceeded, ServiceUnavailable
 
-__all__ = ["BudgetGate"]
+__all__ = ["BudgetGate", "unpriced_deployments"]
 
 log = logging.getLogger("gateway.billing")
 
@@ -103,3 +103,11 @@ def _usd_text(micro: int) -> str:
 
 def _per(period: str) -> str:
     return {"day": "per day", "month": "per month", "total": "in total"}.get(period, "")
+
+
+def unpriced_deployments(config: GatewayConfig) -> list[str]:
+    """``group → deployment`` of every configured deployment without a price: calls of a
+    budgeted key or subject to them are refused (402), so start-up names them."""
+    return [
+        f"{group.name} -> {d.id}" for group in config.models for d in group.deployments if not is_finite_price(d.price)
+    ]

@@ -24,6 +24,7 @@ from actors.runtime import Supervisor
 from gateway.admin import cache as cache_admin
 from gateway.admin import routes as admin
 from gateway.auth.keys import KeyStore
+from gateway.billing.gate import unpriced_deployments
 from gateway.billing.reservations import ReservationStore, open_reservations
 from gateway.core.config import ConfigError, GatewayConfig, Settings
 from gateway.core.db import connect_pool, migrate
@@ -90,6 +91,9 @@ async def gateway_state(
             reservations=reservations, reservation_ttl=settings.budget_reservation_ttl,
         )
         billing = BillingHandle(billing_actor, await supervisor.start(billing_actor))
+        if billing_actor.has_budgets and (unpriced := unpriced_deployments(config)):
+            log.error("budgets: deployments with no price (calls of budgeted keys to them are refused "
+                      "with 402 until a price is set): %s", ", ".join(unpriced))
         auth_actor = AuthActor(pool, dsn)
         auth_ref = await supervisor.start(auth_actor)
         breaker_actor = BreakerActor(config.circuit_breaker)
