@@ -10,7 +10,7 @@ import asyncio
 import json
 import logging
 import uuid
-from decimal import ROUND_CEILING, Decimal
+from decimal import Decimal
 from typing import Any
 
 import asyncpg
@@ -135,8 +135,7 @@ async def test_the_providers_own_cost_wins_over_the_price_table(
     for request_id in ids:
         row = await ledger_row(db_pool, request_id)
         assert row["cost_source"] == "provider"
-        # Exact to the micro-dollar, rounded up (docs/billing.md: money is integer micro-USD).
-        assert row["cost_usd"] == Decimal(str(answer["cost"]["usd"])).quantize(Decimal("1e-6"), rounding=ROUND_CEILING)
+        assert row["cost_usd"] == Decimal(str(answer["cost"]["usd"])).quantize(Decimal("1e-10"))
         assert row["cost_diem"] == Decimal(str(answer["cost"]["diem"])).quantize(Decimal("1e-10"))
 
 

@@ -639,7 +639,9 @@ def default_config(settings: Settings) -> GatewayConfig:
         )
     else:
         provider = ProviderConfig(name="mock", type="mock")
-    group = ModelGroup(name="*", deployments=(Deployment(provider=provider.name, model="*"),))
+    # The offline mock costs nothing: priced at zero, so budgeted keys may call it.
+    price = Price() if provider.type == "mock" else None
+    group = ModelGroup(name="*", deployments=(Deployment(provider=provider.name, model="*", price=price),))
     return GatewayConfig(providers={provider.name: provider}, models=(group,))
 
 
