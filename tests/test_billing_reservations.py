@@ -56,10 +56,12 @@ def test_money_is_exact_micro_usd() -> None:
 
 
 # -- one gateway ----------------------------------------------------------------------------
+@pytest.mark.parametrize("store", ["postgresql", "redis"])
 async def test_ten_sequential_tenth_dollar_calls_on_one_dollar_admit_exactly_ten(
-    gateway_factory: Any, fake: FakeUpstream, key_factory: Any, db_pool: asyncpg.Pool
+    store: str, gateway_factory: Any, fake: FakeUpstream, key_factory: Any, db_pool: asyncpg.Pool, redis_url: str
 ) -> None:
-    gw = await gateway_factory(config_yaml=priced(fake.url))
+    env = {"REDIS_URL": redis_url} if store == "redis" else {}
+    gw = await gateway_factory(env=env, config_yaml=priced(fake.url))
     raw, record = await key_factory(budget_usd=Decimal("1"), budget_period="day")
     assert [await call(gw, raw) for _ in range(11)] == [200] * 10 + [402]
     assert await gw.state.billing.flush()
@@ -93,12 +95,14 @@ async def test_a_subject_budget_is_reserved_across_its_keys(
     assert statuses.count(200) == 5 and statuses.count(402) == 15, statuses
 
 
+@pytest.mark.parametrize("store", ["postgresql", "redis"])
 async def test_a_cancelled_streams_reservation_is_released_so_a_later_call_fits(
-    gateway_factory: Any, fake_factory: Any, key_factory: Any
+    store: str, gateway_factory: Any, fake_factory: Any, key_factory: Any, redis_url: str
 ) -> None:
     fake = await fake_factory(chunk_delay_ms=400)
     # Reserve 100 tokens' worth (0.1 USD) of a budget that holds one such reservation.
-    gw = await gateway_factory(config_yaml=priced(fake.url, {"input_per_mtok": 0.0, "output_per_mtok": 1000.0}))
+    env = {"REDIS_URL": redis_url} if store == "redis" else {}
+    gw = await gateway_factory(env=env, config_yaml=priced(fake.url, {"input_per_mtok": 0.0, "output_per_mtok": 1000.0}))
     raw, _ = await key_factory(budget_usd=Decimal("0.15"), budget_period="day")
     big = chat_body("hello there", max_tokens=100, stream=True)
     async with aiohttp.ClientSession() as session:
