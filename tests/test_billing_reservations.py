@@ -83,6 +83,22 @@ async def test_fifty_concurrent_calls_on_ten_calls_worth_admit_at_most_ten(
     assert await ledger_spend(db_pool, record.api_key_id) <= Decimal("1")
 
 
+async def test_the_groups_max_output_tokens_is_what_a_call_without_max_tokens_reserves(
+    gateway_factory: Any, fake: FakeUpstream, key_factory: Any
+) -> None:
+    raw, _ = await key_factory(budget_usd=Decimal("1"), budget_period="day")
+    no_cap = chat_body("hello there")  # the fake answers 6 words: 0.6 USD at this price
+    capped = await gateway_factory(config_yaml=config_for(fake.url, models=[{
+        "name": "*", "max_output_tokens": 8, "deployments": [{"provider": "fake", "model": "*", "price": TENTH_PER_TOKEN}]}]))
+    assert await call(capped, raw, no_cap) == 200  # 8 tokens reserved: 0.8 USD fits
+    assert await capped.state.billing.flush()  # 0.6 USD spent: another 0.8 does not fit
+    assert await call(capped, raw, no_cap) == 402
+    default = await gateway_factory(config_yaml=priced(fake.url))
+    other, _ = await key_factory(budget_usd=Decimal("1"), budget_period="day")
+    resp = await default.data.post("/v1/chat/completions", json=no_cap, headers=auth(other))
+    assert resp.status == 402 and "4096 output tokens" in (await resp.json())["error"]["message"]
+
+
 async def test_a_subject_budget_is_reserved_across_its_keys(
     gateway_factory: Any, fake_factory: Any, key_factory: Any, db_pool: asyncpg.Pool
 ) -> None:

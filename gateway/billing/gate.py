@@ -14,6 +14,7 @@ asks the shared store to admit it, and answers the contract's errors:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Mapping, Sequence
@@ -32,6 +33,9 @@ from gateway.core.errors import BudgetExceeded, ServiceUnavailable
 __all__ = ["BudgetGate", "unpriced_deployments"]
 
 log = logging.getLogger("gateway.billing")
+
+#: Longest a call waits for the shared store before it is refused 503 (fail closed).
+RESERVE_TIMEOUT = 2.0
 
 
 class BudgetGate:
@@ -73,7 +77,8 @@ class BudgetGate:
         amount = worst_case_micro_usd(prompt_bound, output_cap, [p for p in prices if p is not None])
         reservation = Reservation(call_id, amount, budgets)
         try:
-            refused = await self.store.reserve(reservation, self.ttl)
+            async with asyncio.timeout(RESERVE_TIMEOUT):
+                refused = await self.store.reserve(reservation, self.ttl)
         except Exception as exc:
             log.warning("billing: budget store unreachable (%s: %s); budgeted calls refused",
                         type(exc).__name__, exc)
