@@ -19,7 +19,7 @@ import pytest
 from gateway.billing.budgets import SubjectBudgetStore
 from gateway.billing.reservations import cost_micro_usd, micro_usd, prompt_token_bound, worst_case_micro_usd
 from gateway.core.config import Price
-from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for, redis_via
+from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for, redis_via, via_proxy
 
 #: 0.1 USD per output token: one word of answer costs exactly 0.1 USD.
 TENTH_PER_TOKEN = {"input_per_mtok": 0.0, "output_per_mtok": 100_000.0}
@@ -201,3 +201,28 @@ async def test_redis_outage_fails_budgeted_calls_closed_and_recovers(
         await asyncio.sleep(0.1)
     else:
         raise AssertionError("budgeted calls never recovered after Redis came back")
+
+
+async def test_postgresql_outage_fails_budgeted_calls_closed_and_recovers(
+    gateway_factory: Any, fake: FakeUpstream, key_factory: Any, database_url: str, pg_proxy: Any
+) -> None:
+    """No REDIS_URL: reservations live in PostgreSQL, so while it is away a budgeted call
+    is refused 503 (never admitted blind); a key without a budget keeps working."""
+    gw = await gateway_factory(env={"DATABASE_URL": via_proxy(database_url, pg_proxy.port)}, config_yaml=priced(fake.url))
+    budgeted, _ = await key_factory(budget_usd=Decimal("10"), budget_period="day")
+    free, _ = await key_factory()
+    assert await call(gw, budgeted) == 200 and await call(gw, free) == 200  # both keys verified and cached
+    await pg_proxy.cut()
+    resp = await gw.data.post("/v1/chat/completions", json=ONE_WORD, headers=auth(budgeted))
+    error = (await resp.json())["error"]
+    assert resp.status == 503 and error["code"] == "budget_unavailable", error
+    before = (await fake.stats())["requests"]
+    assert await call(gw, free) == 200
+    assert (await fake.stats())["requests"] == before + 1  # the refused call sent nothing
+    await pg_proxy.restore()
+    for _ in range(50):
+        if await call(gw, budgeted) == 200:
+            break
+        await asyncio.sleep(0.2)
+    else:
+        raise AssertionError("budgeted calls never recovered after PostgreSQL came back")
