@@ -7,10 +7,14 @@ State it owns:
   and shipped in batches (one ``INSERT ... ON CONFLICT (call_id) DO NOTHING`` per batch),
   and deleted once the ledger has them. While PostgreSQL is away they wait on disk; a
   restart ships whatever a crash left.
-* running spend counters per key and per subject: the ledger's spend in each budget's
-  current period (``budget_spend``, refreshed about every second, so every replica sees
-  every replica's spend) plus what this replica recorded and has not shipped yet. They are published as read-only views, so
-  the budget check before a call costs no mailbox hop and no database trip.
+* the budget gate (:mod:`gateway.billing.gate`): a call of a budgeted key or subject
+  reserves its worst-case cost in the shared store (PostgreSQL, or Redis when
+  ``REDIS_URL`` is set) from the caller's task, one round trip; :class:`Settle` (tell)
+  releases it at the real cost when the call ends (Redis; with PostgreSQL the ledger row
+  itself settles it). Subject budgets are refreshed about every second and published.
+* running spend counters per key and per subject, in integer micro-USD: the ledger's
+  spend in each budget's current period plus what this replica has not shipped yet,
+  for :class:`Spend` reports.
 * counters for metrics: recorded, shipped, duplicates, overflowed, pending, unpriced models.
 
 Handlers never wait for billing: :meth:`BillingHandle.record` (a call listener) tells
@@ -19,7 +23,7 @@ journal directly instead (the append is synchronous and needs no await, so it is
 from any task on the loop), never dropped. On stop (SIGTERM) the actor drains: the
 mailbox, a last fsync, a last ship; what cannot be shipped stays on disk for next start.
 
-Why one module of ~520 lines: an actor's messages, handle, loop and start/stop read top to
+Why one module of ~600 lines: an actor's messages, handle, loop and start/stop read top to
 bottom in one file (the house style for actors); the journal, the ledger's rows and budgets
 already live in gateway/billing.
 """
@@ -42,13 +46,23 @@ import asyncpg
 
 from actors.runtime import Actor, ActorRef, ActorStopped, MailboxFull
 from gateway.billing.budgets import fetch_spend
+from gateway.billing.gate import BudgetGate
 from gateway.billing.journal import Journal, Segment
 from gateway.billing.ledger import UsageEvent, fetch_ledger_id, ship_lines
-from gateway.core.errors import BudgetExceeded
+from gateway.billing.reservations import (
+    PostgresReservations,
+    Reservation,
+    ReservationStore,
+    micro_usd,
+    output_cap,
+    prompt_token_bound,
+)
+from gateway.core.config import Price
 from gateway.core.usage import CallRecord
 
 if TYPE_CHECKING:
     from actors.auth import VerifiedKey
+    from gateway.relay.routing import Route, Router
 
 __all__ = [
     "BillingActor",
@@ -56,6 +70,7 @@ __all__ = [
     "BillingStats",
     "Flush",
     "Record",
+    "Settle",
     "Spend",
     "SpendReport",
 ]
@@ -80,6 +95,14 @@ class Record:
     """
 
     call: CallRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """A call that held a reservation ended (tell): release it at the call's real cost."""
+
+    reservation: Reservation
+    cost_micro_usd: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +153,11 @@ class BillingStats:
     journal_dir: str
 
 
-class BillingActor(Actor[Record | Flush | Spend]):
+#: Attempts to settle a reservation while the store is away (then it expires by itself).
+_SETTLE_ATTEMPTS = 5
+
+
+class BillingActor(Actor[Record | Flush | Spend | Settle]):
     name = "billing"
 
     def __init__(
@@ -145,6 +172,8 @@ class BillingActor(Actor[Record | Flush | Spend]):
         max_batch: int = 5000,
         ship_timeout: float = 3.0,
         drain_timeout: float = 5.0,
+        reservations: ReservationStore | None = None,
+        reservation_ttl: float = 600.0,
     ) -> None:
         self.mailbox_size = mailbox_size
         super().__init__()
@@ -157,13 +186,17 @@ class BillingActor(Actor[Record | Flush | Spend]):
         self._ship_timeout = ship_timeout
         self._drain_timeout = drain_timeout
         self._journal: Journal | None = None
-        self._key_spent: dict[uuid.UUID, float] = {}
-        self._subject_spent: dict[uuid.UUID, float] = {}
-        self._subject_budgets: dict[uuid.UUID, tuple[float, str]] = {}
-        #: Read-only views for the budget check (see BillingHandle.check_budget).
-        self.key_spent: Mapping[uuid.UUID, float] = MappingProxyType(self._key_spent)
-        self.subject_spent: Mapping[uuid.UUID, float] = MappingProxyType(self._subject_spent)
-        self.subject_budgets: Mapping[uuid.UUID, tuple[float, str]] = MappingProxyType(self._subject_budgets)
+        #: Micro-USD per key and subject in their budget periods (for Spend reports).
+        self._key_spent: dict[uuid.UUID, int] = {}
+        self._subject_spent: dict[uuid.UUID, int] = {}
+        self._subject_budgets: dict[uuid.UUID, tuple[Decimal, str]] = {}
+        #: Read-only view the budget gate reads (no hop, no database trip).
+        self.subject_budgets: Mapping[uuid.UUID, tuple[Decimal, str]] = MappingProxyType(self._subject_budgets)
+        self.gate = BudgetGate(
+            reservations or PostgresReservations(pool), ttl=reservation_ttl, subject_budgets=self.subject_budgets
+        )
+        self._settling: set[asyncio.Task[None]] = set()
+        self._budgeted_keys = 0
         self._flush_waiters: list[asyncio.Future[bool]] = []
         self._wake_shipper = asyncio.Event()
         self._stopping = False
@@ -199,6 +232,8 @@ class BillingActor(Actor[Record | Flush | Spend]):
             if task is not None:
                 with contextlib.suppress(Exception):
                     await task
+        if self._settling:  # releases in flight: given a moment, else they expire
+            await asyncio.wait(self._settling, timeout=self._drain_timeout)
         try:
             await journal.commit()
         except OSError as exc:
@@ -216,9 +251,12 @@ class BillingActor(Actor[Record | Flush | Spend]):
         journal.close()
 
     # -- messages -----------------------------------------------------------------------
-    async def receive(self, msg: Record | Flush | Spend) -> Any:
+    async def receive(self, msg: Record | Flush | Spend | Settle) -> Any:
         if isinstance(msg, Record):
             self.ingest(UsageEvent.from_call(msg.call))
+            return None
+        if isinstance(msg, Settle):
+            self.settle_later(msg.reservation, msg.cost_micro_usd)
             return None
         if isinstance(msg, Flush):
             fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -228,9 +266,9 @@ class BillingActor(Actor[Record | Flush | Spend]):
         if isinstance(msg, Spend):
             budget = self._subject_budgets.get(msg.subject_id) if msg.subject_id else None
             return SpendReport(
-                key_spent_usd=self._key_spent.get(msg.api_key_id, 0.0) if msg.api_key_id else None,
-                subject_spent_usd=self._subject_spent.get(msg.subject_id, 0.0) if msg.subject_id else None,
-                subject_budget_usd=budget[0] if budget else None,
+                key_spent_usd=self._key_spent.get(msg.api_key_id, 0) / 1e6 if msg.api_key_id else None,
+                subject_spent_usd=self._subject_spent.get(msg.subject_id, 0) / 1e6 if msg.subject_id else None,
+                subject_budget_usd=float(budget[0]) if budget else None,
                 subject_budget_period=budget[1] if budget else None,
             )
         raise TypeError(f"unexpected message {msg!r}")
@@ -239,17 +277,42 @@ class BillingActor(Actor[Record | Flush | Spend]):
         """Journal, count and log one event. Synchronous (no await), so the handle may
         call it directly when the mailbox is full or the actor has stopped."""
         journal = self.journal
-        journal.append(event.to_line(), event.api_key_id, event.subject_id, event.cost_usd)
+        cost = micro_usd(event.cost_usd)
+        journal.append(event.to_line(), event.api_key_id, event.subject_id, cost)
         self.recorded += 1
-        if event.cost_usd > 0:
-            self._key_spent[event.api_key_id] = self._key_spent.get(event.api_key_id, 0.0) + event.cost_usd
-            self._subject_spent[event.subject_id] = self._subject_spent.get(event.subject_id, 0.0) + event.cost_usd
+        if cost > 0:
+            self._key_spent[event.api_key_id] = self._key_spent.get(event.api_key_id, 0) + cost
+            self._subject_spent[event.subject_id] = self._subject_spent.get(event.subject_id, 0) + cost
         if event.cost_source == "unpriced" and len(self._unpriced) < MAX_UNPRICED_MODELS:
             self._unpriced.add(event.requested_model)
         if journal.active_lines >= self._max_batch:
             self._wake_shipper.set()
         if log.isEnabledFor(logging.INFO):
             _log_billing(event)
+
+    @property
+    def has_budgets(self) -> bool:
+        """Does any key or subject have a budget (as of the last refresh)?"""
+        return self._budgeted_keys > 0 or bool(self._subject_budgets)
+
+    def settle_later(self, reservation: Reservation, cost_micro_usd: int) -> None:
+        """Release a reservation in a task of its own (never inline: it is store I/O)."""
+        task = asyncio.get_running_loop().create_task(self._settle(reservation, cost_micro_usd))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, reservation: Reservation, cost_micro_usd: int) -> None:
+        for attempt in range(_SETTLE_ATTEMPTS):
+            try:
+                async with asyncio.timeout(self._ship_timeout):
+                    await self.gate.settle(reservation, cost_micro_usd)
+                return
+            except Exception as exc:  # noqa: BLE001 - retried; the reservation expires otherwise
+                if attempt == _SETTLE_ATTEMPTS - 1:
+                    log.warning("billing: could not release reservation %s (%s); it expires in %.0f s",
+                                reservation.reservation_id, exc, self.gate.ttl)
+                    return
+                await asyncio.sleep(0.2 * 2**attempt)
 
     # -- group commit -------------------------------------------------------------------
     async def _commit_forever(self) -> None:
@@ -390,6 +453,7 @@ class BillingActor(Actor[Record | Flush | Spend]):
             return
         unshipped_keys, unshipped_subjects = self.journal.unshipped_spend()
         _replace(self._key_spent, snapshot.key_spend, unshipped_keys)
+        self._budgeted_keys = len(snapshot.key_spend)
         _replace(self._subject_spent, snapshot.subject_spend, unshipped_subjects)
         self._subject_budgets.clear()
         self._subject_budgets.update(snapshot.subject_budgets)
@@ -418,12 +482,12 @@ class BillingActor(Actor[Record | Flush | Spend]):
         )
 
 
-def _replace(target: dict[uuid.UUID, float], base: dict[uuid.UUID, float], extra: dict[uuid.UUID, float]) -> None:
-    """Rebuild ``target`` in place (its read-only view stays valid) as base + extra."""
+def _replace(target: dict[uuid.UUID, int], base: dict[uuid.UUID, int], extra: dict[uuid.UUID, int]) -> None:
+    """Rebuild ``target`` in place as base + extra."""
     target.clear()
     target.update(base)
     for k, v in extra.items():
-        target[k] = target.get(k, 0.0) + v
+        target[k] = target.get(k, 0) + v
 
 
 def _log_billing(event: UsageEvent) -> None:
@@ -450,14 +514,12 @@ def _log_billing(event: UsageEvent) -> None:
 class BillingHandle:
     """What the edge holds: the call listener, the budget check, flush and stats."""
 
-    __slots__ = ("_actor", "_key_spent", "_ref", "_subject_budgets", "_subject_spent")
+    __slots__ = ("_actor", "_gate", "_ref")
 
     def __init__(self, actor: BillingActor, ref: ActorRef[Any]) -> None:
         self._actor = actor
         self._ref = ref
-        self._key_spent = actor.key_spent
-        self._subject_spent = actor.subject_spent
-        self._subject_budgets = actor.subject_budgets
+        self._gate = actor.gate
 
     def record(self, call: CallRecord) -> None:
         """Call listener: one event per finished call. Never waits, never raises."""
@@ -471,24 +533,65 @@ class BillingHandle:
             except Exception:
                 log.exception("billing: LOST the event of call %s (%s)", call.call_id, call.request_id)
 
-    def check_budget(self, key: VerifiedKey) -> None:
-        """Raise BudgetExceeded if the key's or its subject's budget is spent.
+    async def reserve(
+        self, key: VerifiedKey, record: CallRecord, route: Route, router: Router, body: dict[str, Any],
+        *, embeddings: bool = False,
+    ) -> Reservation | None:
+        """Hold the call's worst-case cost against the key's and its subject's budgets.
 
-        Reads the actor's published counters: no mailbox hop, no database trip. What
-        calls already in flight will cost is not known yet, so the overshoot is bounded
-        by them.
+        Raises BudgetExceeded (402) if it does not fit, ServiceUnavailable (503) if the
+        store is away; None (and no I/O at all) for a key with no budget. The worst case is
+        the prompt's token bound at the input price plus its output cap (none for
+        embeddings) at the output price, on the dearest deployment the call may reach
+        (fallbacks included).
         """
         policy = key.policy
-        budget = policy.budget_usd
-        if budget is not None and self._key_spent.get(key.api_key_id, 0.0) >= budget:
-            raise BudgetExceeded(
-                f"this key's budget of {_usd(budget)} USD {_per(policy.budget_period)} is spent"
-            )
-        subject_budget = self._subject_budgets.get(key.subject_id)
-        if subject_budget is not None and self._subject_spent.get(key.subject_id, 0.0) >= subject_budget[0]:
-            raise BudgetExceeded(
-                f"the budget of this key's subject ({_usd(subject_budget[0])} USD {_per(subject_budget[1])}) is spent"
-            )
+        if not self._gate.applies(key.subject_id, policy.budget_usd):
+            return None
+        cap = 0 if embeddings else output_cap(body, route.group.max_output_tokens)
+        bound = prompt_token_bound(body.get("input") if embeddings else body)
+        return await self._gate.reserve(
+            call_id=record.call_id,
+            api_key_id=key.api_key_id,
+            key_budget=(policy.budget_usd, policy.budget_period or "total") if policy.budget_usd is not None else None,
+            subject_id=key.subject_id,
+            model=record.requested_model,
+            prices=_reachable_prices(route, router),
+            prompt_bound=bound,
+            output_cap=cap,
+        )
+
+    async def reserve_passthrough(
+        self, key: VerifiedKey, record: CallRecord, body: Any, price: Price | None,
+    ) -> Reservation | None:
+        """:meth:`reserve` for a pass-through call: the provider's own API, no model group.
+
+        The worst case is the raw body's size as the prompt bound plus the body's own
+        ``max_tokens`` (or the default cap), at the price of the model the body names; a
+        budgeted key calling an unpriced model is refused, as everywhere.
+        """
+        policy = key.policy
+        if not self._gate.applies(key.subject_id, policy.budget_usd):
+            return None
+        return await self._gate.reserve(
+            call_id=record.call_id,
+            api_key_id=key.api_key_id,
+            key_budget=(policy.budget_usd, policy.budget_period or "total") if policy.budget_usd is not None else None,
+            subject_id=key.subject_id,
+            model=record.requested_model,
+            prices=[price],
+            prompt_bound=prompt_token_bound(body),
+            output_cap=output_cap(body if isinstance(body, dict) else {}, None),
+        )
+
+    def settle(self, reservation: Reservation | None, call: CallRecord) -> None:
+        """The call ended (its cost settled): release what it held. Never waits."""
+        if reservation is None or not self._gate.store.settles_explicitly:
+            return  # no budget, or the ledger row settles it (PostgreSQL)
+        try:
+            self._ref.tell(Settle(reservation, call.cost_micro_usd))
+        except (MailboxFull, ActorStopped):
+            self._actor.settle_later(reservation, call.cost_micro_usd)
 
     async def flush(self, timeout: float = 10.0) -> bool:
         """Ship everything recorded so far; True once the ledger has it."""
@@ -512,11 +615,12 @@ class BillingHandle:
         return self._ref
 
 
-def _usd(amount: Decimal | float) -> str:
-    """An amount as people write it: 0.05, 25, 12.5 (no exponent, no trailing zeros)."""
-    text = f"{Decimal(str(amount)):f}"
-    return text.rstrip("0").rstrip(".") if "." in text else text
-
-
-def _per(period: str | None) -> str:
-    return {"day": "per day", "month": "per month", "total": "in total"}.get(period or "", "")
+def _reachable_prices(route: Route, router: Router) -> list[Price | None]:
+    """The price of every deployment a call on ``route`` may be served by (fallbacks too)."""
+    prices = [t.deployment.price for t in route.targets]
+    for name in route.group.fallbacks:
+        try:
+            prices += [t.deployment.price for t in router.resolve(name).targets]
+        except Exception:  # noqa: BLE001 - an unresolvable fallback is never tried either
+            continue
+    return prices

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gateway.billing.budgets import fetch_spend
 from gateway.billing.ledger import LEDGER_COLUMNS, UsageEvent, ship_lines
 from gateway.billing.reports import UsageQuery, usage_report
+from gateway.billing.reservations import Budget, PostgresReservations, Reservation, period_start
 from gateway.core.db import migrate
 
 DEFAULT_DSN = os.environ.get("TEST_PG_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -126,6 +127,23 @@ async def ship_throughput(conn: asyncpg.Connection, keys: list[tuple[uuid.UUID, 
           f"{(time.perf_counter() - start) * 1000 / batches:.1f} ms per batch")
 
 
+async def reservations(conn: asyncpg.Connection, key: tuple[uuid.UUID, uuid.UUID]) -> None:
+    """The budget check of a call: reserve against a key's and its subject's budgets (the
+    busiest key, so its budget_spend rows are the hottest), with 50 reservations open."""
+    key_id, subject_id = key
+    budgets = (Budget("key", key_id, "month", period_start("month"), 10**15),
+               Budget("subject", subject_id, "month", period_start("month"), 10**15))
+    store = PostgresReservations(conn)  # type: ignore[arg-type]  # a connection answers the same calls
+    for _ in range(50):
+        await store.reserve(Reservation(uuid.uuid4(), 1000, budgets), 600)
+
+    async def one() -> None:
+        await store.reserve(Reservation(uuid.uuid4(), 1000, budgets), 600)
+
+    await timed("reserve against key + subject budgets, 50 open", one, runs=200)
+    await conn.execute("DELETE FROM budget_reservations")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dsn", default=DEFAULT_DSN, help="a superuser DSN (a scratch database is created)")
@@ -168,6 +186,9 @@ async def main() -> None:
                 ("group by model, all time", UsageQuery(group_by="model")),
                 ("group by day, all time", UsageQuery(group_by="day")),
                 ("group by key, last 30 days (unaligned edges)", UsageQuery(group_by="key", since=now - timedelta(days=30) + odd, until=now)),
+                ("group by model, last 30 days (unaligned edges)", UsageQuery(group_by="model", since=now - timedelta(days=30) + odd, until=now)),
+                ("group by day, last 30 days (unaligned edges)", UsageQuery(group_by="day", since=now - timedelta(days=30) + odd, until=now)),
+                ("group by key, 30 days ending 40 days ago", UsageQuery(group_by="key", since=now - timedelta(days=70) + odd, until=now - timedelta(days=40) + odd)),
                 ("group by model, last 7 days (unaligned edges)", UsageQuery(group_by="model", since=now - timedelta(days=7) + odd, until=now)),
                 ("group by day, one busy key, all time", UsageQuery(group_by="day", api_key_id=top_key)),
                 ("group by model, inside one day (ledger only)", UsageQuery(group_by="model", since=now - timedelta(hours=20), until=now - timedelta(hours=2))),
@@ -188,6 +209,9 @@ async def main() -> None:
             budgeted = await conn.fetchval("SELECT count(*) FROM api_keys WHERE budget_usd IS NOT NULL")
             subjects = await conn.fetchval("SELECT count(*) FROM subject_budgets")
             await timed(f"fetch_spend: {budgeted} budgeted keys + {subjects} subjects", lambda: fetch_spend(conn))
+
+            print("budget reservations (gateway.billing.reservations.PostgresReservations, one round trip per call):")
+            await reservations(conn, keys[0])
 
             print("shipping (gateway.billing.ledger.ship_lines, the BillingActor's batch insert):")
             await ship_throughput(conn, keys, batches=20, size=500)

@@ -12,6 +12,7 @@ import asyncpg
 import pytest
 
 from gateway.billing.budgets import SubjectBudgetStore
+from gateway.billing.reservations import prompt_token_bound
 from gateway.testing import fake_llm
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for
 from tests.test_admin_keys import eventually
@@ -19,9 +20,12 @@ from tests.test_admin_keys import eventually
 ADMIN_TOKEN = "budget-admin-token-0123456789abcdef"
 ADMIN = auth(ADMIN_TOKEN)
 PRICE = {"input_per_mtok": 1000.0, "output_per_mtok": 3000.0}
-BODY = chat_body("hello there")
+#: Asks for at most the fake's answer length, so the call's worst case is known.
+BODY = chat_body("hello there", max_tokens=fake_llm.completion_tokens(chat_body("hello there")))
 #: What BODY costs at PRICE (the fake's token counts are deterministic).
 COST = (fake_llm.prompt_tokens(BODY["messages"]) * 1000 + fake_llm.completion_tokens(BODY) * 3000) / 1e6
+#: What BODY reserves before it is sent (docs/billing.md: the worst-case estimate).
+RESERVE = (prompt_token_bound(BODY) * 1000 + BODY["max_tokens"] * 3000) / 1e6
 #: Budgets reach the check with billing's next spend refresh (about a second); bounded wait.
 REFRESH_WITHIN = 10.0
 
@@ -34,7 +38,9 @@ async def priced_gateway(gateway_factory: Callable[..., Any], fake: FakeUpstream
 
 async def chat(gw: Gateway, key: str) -> tuple[int, dict[str, Any]]:
     resp = await gw.data.post("/v1/chat/completions", json=BODY, headers=auth(key))
-    return resp.status, await resp.json()
+    answer = await resp.json()
+    assert await gw.state.billing.flush()  # its ledger row settles its reservation
+    return resp.status, answer
 
 
 async def put_budget(gw: Gateway, subject: uuid.UUID | str, body: Any) -> Any:
@@ -50,19 +56,20 @@ async def test_a_budget_set_over_the_api_answers_402_once_spent_and_clearing_it_
     second, _ = await key_factory(subject_id=subject, rate_limit_requests=100_000)
     other, _ = await key_factory(rate_limit_requests=100_000)
 
-    resp = await put_budget(gw, subject, {"budget_usd": COST * 1.5, "budget_period": "day"})
+    budget = round(RESERVE + COST * 1.5, 6)
+    resp = await put_budget(gw, subject, {"budget_usd": budget, "budget_period": "day"})
     assert resp.status == 201, await resp.text()
     assert resp.headers["Location"] == f"/admin/budgets/{subject}"
     created = await resp.json()
     assert created["subject_id"] == str(subject) and created["budget_period"] == "day"
-    assert created["budget_usd"] == pytest.approx(COST * 1.5, abs=1e-6)
+    assert created["budget_usd"] == pytest.approx(budget, abs=1e-6)
 
     async def budget_known() -> bool:
         return (await gw.state.billing.spend(subject_id=subject)).subject_budget_period == "day"
 
     assert await eventually(budget_known, REFRESH_WITHIN)
     assert (await chat(gw, first))[0] == 200
-    assert (await chat(gw, second))[0] == 200  # one call spent, below 1.5
+    assert (await chat(gw, second))[0] == 200  # one call spent: another reservation fits
     calls = (await fake.stats())["requests"]
     for key in (first, second):  # the whole subject is refused, whichever key asks
         status, body = await chat(gw, key)

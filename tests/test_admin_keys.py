@@ -43,7 +43,10 @@ ADMIN_ROUTES = [
 
 @pytest.fixture
 async def admin_gateway(gateway_factory: Callable[..., Any], fake: FakeUpstream) -> Gateway:
-    return await gateway_factory(env={"ADMIN_TOKEN": ADMIN_TOKEN}, config_yaml=config_for(fake.url))  # type: ignore[no-any-return]
+    # Priced, so keys created with a budget may call it (an unpriced model is refused 402).
+    price = {"input_per_mtok": 0.15, "output_per_mtok": 0.6}
+    yaml = config_for(fake.url, models=[{"name": "*", "deployments": [{"provider": "fake", "model": "*", "price": price}]}])
+    return await gateway_factory(env={"ADMIN_TOKEN": ADMIN_TOKEN}, config_yaml=yaml)  # type: ignore[no-any-return]
 
 
 async def create_key(gw: Gateway, **body: Any) -> dict[str, Any]:

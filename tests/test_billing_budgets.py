@@ -1,4 +1,7 @@
-"""Budgets before the call: per key and per subject, by period, and the overshoot bound."""
+"""Budgets before the call: per key and per subject, by period, and no overshoot.
+
+A call reserves its worst case (RESERVE) before it is sent and is charged its real cost
+(COST) when it ends; each helper call below waits for the ledger, which settles it."""
 
 from __future__ import annotations
 
@@ -9,16 +12,21 @@ from decimal import Decimal
 from typing import Any
 
 import asyncpg
+import pytest
 
 from gateway.billing.budgets import SubjectBudgetStore
 from gateway.billing.ledger import UsageEvent, ship_lines
+from gateway.billing.reservations import prompt_token_bound
 from gateway.testing import fake_llm
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for
 
 PRICE = {"input_per_mtok": 1000.0, "output_per_mtok": 3000.0}
-BODY = chat_body("hello there")
+#: Asks for at most the fake's answer length, so the worst case is known.
+BODY = chat_body("hello there", max_tokens=fake_llm.completion_tokens(chat_body("hello there")))
 #: What BODY costs at PRICE: its tokens are the fake's deterministic counts.
 COST = (fake_llm.prompt_tokens(BODY["messages"]) * 1000 + fake_llm.completion_tokens(BODY) * 3000) / 1e6
+#: What BODY reserves: its JSON's bytes bound the prompt tokens, plus max_tokens of output.
+RESERVE = (prompt_token_bound(BODY) * 1000 + BODY["max_tokens"] * 3000) / 1e6
 
 
 async def start(gateway_factory: Any, fake: FakeUpstream) -> Gateway:
@@ -26,9 +34,11 @@ async def start(gateway_factory: Any, fake: FakeUpstream) -> Gateway:
     return await gateway_factory(config_yaml=yaml)  # type: ignore[no-any-return]
 
 
-async def post(gw: Gateway, key: str) -> int:
+async def post(gw: Gateway, key: str, *, settle: bool = True) -> int:
     resp = await gw.data.post("/v1/chat/completions", json=BODY, headers=auth(key))
     await resp.read()
+    if settle:  # the call's ledger row settles its reservation to its real cost
+        assert await gw.state.billing.flush()
     return resp.status
 
 
@@ -48,8 +58,8 @@ async def test_key_budget_spent_answers_402_before_the_provider_is_called(
     gateway_factory: Any, fake: FakeUpstream, key_factory: Any
 ) -> None:
     gw = await start(gateway_factory, fake)
-    raw, _ = await key_factory(budget_usd=Decimal(str(COST * 2.5)), budget_period="month")
-    assert [await post(gw, raw) for _ in range(3)] == [200, 200, 200]  # 0, 1c, 2c spent < 2.5c
+    raw, _ = await key_factory(budget_usd=Decimal(f"{RESERVE + COST * 2.5:.6f}"), budget_period="month")
+    assert [await post(gw, raw) for _ in range(3)] == [200, 200, 200]  # 0, 1c, 2c spent: a reserve fits
     calls = (await fake.stats())["requests"]
     resp = await gw.data.post("/v1/chat/completions", json=BODY, headers=auth(raw))
     assert resp.status == 402
@@ -92,31 +102,31 @@ async def test_subject_budget_covers_all_its_keys(
     first, _ = await key_factory(subject_id=subject)
     second, _ = await key_factory(subject_id=subject)
     other, _ = await key_factory()
-    await SubjectBudgetStore(db_pool).set(subject, Decimal(str(COST * 1.5)), "day")
+    await SubjectBudgetStore(db_pool).set(subject, Decimal(f"{RESERVE + COST * 1.5:.6f}"), "day")
     gw = await start(gateway_factory, fake)
     assert await post(gw, first) == 200
-    assert await post(gw, second) == 200  # 1c spent < 1.5c
+    assert await post(gw, second) == 200  # 1c spent + a reserve fits
     assert await post(gw, first) == 402
     resp = await gw.data.post("/v1/chat/completions", json=BODY, headers=auth(second))
     assert resp.status == 402 and "subject" in (await resp.json())["error"]["message"]
     assert await post(gw, other) == 200  # another subject is not affected
     report = await gw.state.billing.spend(subject_id=subject)
-    assert report.subject_budget_period == "day" and report.subject_spent_usd >= COST * 1.5
+    assert report.subject_budget_period == "day" and report.subject_spent_usd == pytest.approx(COST * 2)
 
 
-async def test_overshoot_is_bounded_by_the_calls_in_flight(
+async def test_fifty_clients_until_refused_never_spend_past_the_budget(
     gateway_factory: Any, fake_factory: Any, key_factory: Any, db_pool: asyncpg.Pool
 ) -> None:
-    """50 clients hammer one key until it is refused; what got through past the budget
-    is at most what was in flight when it ran out (50 calls)."""
+    """50 clients hammer one key until it is refused: what the ledger charged stays within
+    the budget (it used to overshoot by what was in flight), and every client is refused."""
     fake = await fake_factory(latency_ms=30)
     gw = await start(gateway_factory, fake)
-    budget = COST * 10
-    raw, record = await key_factory(budget_usd=Decimal(str(budget)), budget_period="day", rate_limit_requests=100_000)
+    budget = RESERVE * 10
+    raw, record = await key_factory(budget_usd=Decimal(f"{budget:.6f}"), budget_period="day", rate_limit_requests=100_000)
 
     async def client() -> int:
         for served in range(100):  # bounded; ends at the first 402
-            status = await post(gw, raw)
+            status = await post(gw, raw, settle=False)
             if status == 402:
                 return served
             assert status == 200
@@ -124,9 +134,7 @@ async def test_overshoot_is_bounded_by_the_calls_in_flight(
 
     served = sum(await asyncio.gather(*(client() for _ in range(50))))
     assert await gw.state.billing.flush()
-    spent = float(await db_pool.fetchval("SELECT sum(cost_usd) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id))
-    overshoot = spent - budget
-    print(f"\nbudget {budget:.6f} USD, spent {spent:.6f} USD over {served} calls: "
-          f"overshoot {overshoot:.6f} USD = {overshoot / COST:.1f} calls (bound: 50 in flight)")
-    assert spent >= budget
-    assert overshoot < 50 * COST + 1e-9
+    spent = Decimal(await db_pool.fetchval("SELECT sum(cost_usd) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id))
+    print(f"\nbudget {budget:.6f} USD, spent {spent:.6f} USD over {served} calls")
+    assert served >= 10  # ten reservations always fit
+    assert spent <= Decimal(f"{budget:.6f}")

@@ -34,14 +34,14 @@ async def test_commit_seal_read_discard(tmp_path: Path) -> None:
     journal = Journal.open(tmp_path)
     lines = [line(i) for i in range(5)]
     for raw in lines:
-        journal.append(raw, KEY, SUBJECT, 0.5)
+        journal.append(raw, KEY, SUBJECT, 500_000)
     assert journal.buffered == 5 and journal.pending_events == 5
     assert await journal.commit() == 5
     assert journal.buffered == 0
     segment = await journal.seal()
     assert segment is not None and segment.lines == 5
     assert Journal.read(segment) == lines
-    assert journal.unshipped_spend() == ({KEY: 2.5}, {SUBJECT: 2.5})
+    assert journal.unshipped_spend() == ({KEY: 2_500_000}, {SUBJECT: 2_500_000})
     assert await journal.seal() is None  # nothing new: no empty segment
     journal.discard(segment)
     assert not segment.path.exists() and journal.pending_events == 0
@@ -52,7 +52,7 @@ async def test_a_crash_leaves_committed_events_for_the_next_open(tmp_path: Path)
     journal = Journal.open(tmp_path)
     committed = [line(i) for i in range(3)]
     for raw in committed:
-        journal.append(raw, KEY, SUBJECT, 0.5)
+        journal.append(raw, KEY, SUBJECT, 500_000)
     await journal.commit()
     sealed = await journal.seal()
     journal.append(line(99), KEY, SUBJECT, 0.5)
@@ -66,7 +66,7 @@ async def test_a_crash_leaves_committed_events_for_the_next_open(tmp_path: Path)
     assert [s.lines for s in leftovers] == [3, 1]
     assert [orjson.loads(x)["n"] for s in leftovers for x in Journal.read(s)] == [0, 1, 2, 99]
     # Spend of the leftovers is known again, so budgets count them before they ship.
-    assert reopened.unshipped_spend()[0] == {KEY: 2.0}
+    assert reopened.unshipped_spend()[0] == {KEY: 2_000_000}
     # New segments never reuse a leftover's name.
     reopened.append(line(5), KEY, SUBJECT, 0.5)
     new = await reopened.seal()
@@ -78,7 +78,7 @@ async def test_torn_tail_is_skipped_and_garbage_set_aside(tmp_path: Path) -> Non
     journal = Journal.open(tmp_path)
     good = [line(1), line(2)]
     for raw in good:
-        journal.append(raw, KEY, SUBJECT, 0.5)
+        journal.append(raw, KEY, SUBJECT, 500_000)
     await journal.commit()
     segment_path = journal._active.path if journal._active else None
     crash(journal)
@@ -134,7 +134,7 @@ async def test_an_event_after_close_is_written_at_once(tmp_path: Path) -> None:
     journal = Journal.open(tmp_path)
     journal.close()
     late = line(42)
-    journal.append(late, KEY, SUBJECT, 0.5)
+    journal.append(late, KEY, SUBJECT, 500_000)
     reopened = Journal.open(tmp_path)
     assert [x for s in reopened.sealed() for x in Journal.read(s)] == [late]
     reopened.close()
@@ -146,7 +146,7 @@ async def test_an_event_appended_while_a_segment_is_being_sealed_is_not_stranded
     to, so every later commit failed (and close() dropped it)."""
     journal = Journal.open(tmp_path)
     first, late = line(1), line(2)
-    journal.append(first, KEY, SUBJECT, 0.5)
+    journal.append(first, KEY, SUBJECT, 500_000)
     writing, release = threading.Event(), threading.Event()
     real_write = journal._write_sync
 
@@ -158,7 +158,7 @@ async def test_an_event_appended_while_a_segment_is_being_sealed_is_not_stranded
     journal._write_sync = slow_write  # type: ignore[method-assign]
     sealing = asyncio.ensure_future(journal.seal())
     await asyncio.to_thread(writing.wait, 5)
-    journal.append(late, KEY, SUBJECT, 0.25)  # arrives while the sealed segment is written
+    journal.append(late, KEY, SUBJECT, 250_000)  # arrives while the sealed segment is written
     release.set()
     sealed = await sealing
     journal._write_sync = real_write  # type: ignore[method-assign]
@@ -166,14 +166,14 @@ async def test_an_event_appended_while_a_segment_is_being_sealed_is_not_stranded
     assert await journal.commit() == 1  # the late event, in a segment of its own
     following = await journal.seal()
     assert following is not None and Journal.read(following) == [late] and following.lines == 1
-    assert journal.unshipped_spend() == ({KEY: 0.75}, {SUBJECT: 0.75})
+    assert journal.unshipped_spend() == ({KEY: 750_000}, {SUBJECT: 750_000})
     journal.close()
 
 
 async def test_a_failed_seal_keeps_every_event_for_the_next_try(tmp_path: Path) -> None:
     journal = Journal.open(tmp_path)
     first, late = line(1), line(2)
-    journal.append(first, KEY, SUBJECT, 0.5)
+    journal.append(first, KEY, SUBJECT, 500_000)
     writing, release = threading.Event(), threading.Event()
     real_write = journal._write_sync
 
@@ -185,7 +185,7 @@ async def test_a_failed_seal_keeps_every_event_for_the_next_try(tmp_path: Path) 
     journal._write_sync = failing_write  # type: ignore[method-assign]
     sealing = asyncio.ensure_future(journal.seal())
     await asyncio.to_thread(writing.wait, 5)
-    journal.append(late, KEY, SUBJECT, 0.25)
+    journal.append(late, KEY, SUBJECT, 250_000)
     release.set()
     try:
         await sealing
@@ -196,5 +196,5 @@ async def test_a_failed_seal_keeps_every_event_for_the_next_try(tmp_path: Path) 
     assert journal.buffered == 2 and journal.pending_events == 2
     sealed = await journal.seal()
     assert sealed is not None and Journal.read(sealed) == [first, late] and sealed.lines == 2
-    assert journal.unshipped_spend() == ({KEY: 0.75}, {SUBJECT: 0.75})
+    assert journal.unshipped_spend() == ({KEY: 750_000}, {SUBJECT: 750_000})
     journal.close()

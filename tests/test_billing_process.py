@@ -16,6 +16,8 @@ from typing import Any
 import aiohttp
 import asyncpg
 
+from gateway.billing.reservations import prompt_token_bound
+from gateway.testing import fake_llm
 from tests.conftest import FakeUpstream, auth, chat_body, config_for, via_proxy
 
 PRICED = {"input_per_mtok": 1000.0, "output_per_mtok": 3000.0}
@@ -168,28 +170,39 @@ async def test_sigterm_drains_calls_in_flight_and_the_journal(
 async def test_a_spent_budget_answers_402_on_every_replica(
     process_factory: Any, fake: FakeUpstream, key_factory: Any, db_pool: asyncpg.Pool
 ) -> None:
-    raw, record = await key_factory(budget_usd=Decimal("0.05"), budget_period="day", rate_limit_requests=1000)
+    body = chat_body("bill me", max_tokens=fake_llm.completion_tokens(chat_body("bill me")))
+    cost = (fake_llm.prompt_tokens(body["messages"]) * 1000 + body["max_tokens"] * 3000) / 1e6
+    reserve = (prompt_token_bound(body) * 1000 + body["max_tokens"] * 3000) / 1e6
+    budget = Decimal(f"{reserve + cost * 1.5:.6f}")  # a reservation fits after one call, not two
+    raw, record = await key_factory(budget_usd=budget, budget_period="day", rate_limit_requests=1000)
     a = await process_factory(config_yaml=priced_yaml(fake.url))
     b = await process_factory(config_yaml=priced_yaml(fake.url))
-    async with aiohttp.ClientSession() as session:
-        statuses = [(await send(session, a.url, raw))[1] for _ in range(4)]
-        # Each call costs ~0.029 USD: two spend the budget; the third is refused by A itself.
-        assert statuses[:2] == [200, 200] and statuses[2:] == [402, 402]
-        upstream_calls = (await fake.stats())["requests"]
-        # B never served this key: it learns A's spend from the ledger within a second or so.
+
+    async def settled(calls: int) -> None:  # the replica's ledger rows settle its reservations
         for _ in range(100):
-            _, status = await send(session, b.url, raw)
-            if status == 402:
-                break
+            if await db_pool.fetchval("SELECT count(*) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id) == calls:
+                return
             await asyncio.sleep(0.05)
-        assert status == 402
-        async with session.post(f"{b.url}/v1/chat/completions", json=chat_body(), headers=auth(raw)) as resp:
+        raise AssertionError("the ledger never had the calls")
+
+    async with aiohttp.ClientSession() as session:
+        async def status(url: str) -> int:
+            async with session.post(f"{url}/v1/chat/completions", json=body, headers=auth(raw)) as resp:
+                await resp.read()
+                return resp.status
+
+        assert await status(a.url) == 200
+        await settled(1)
+        assert await status(b.url) == 200  # B sees A's spend at once: the store is shared
+        await settled(2)
+        upstream_calls = (await fake.stats())["requests"]
+        assert await status(a.url) == 402
+        async with session.post(f"{b.url}/v1/chat/completions", json=body, headers=auth(raw)) as resp:
             assert resp.status == 402
-            assert await resp.json() == {"error": {
-                "message": "this key's budget of 0.05 USD per day is spent",
-                "type": "insufficient_quota", "code": "budget_exceeded",
-            }}
+            error = (await resp.json())["error"]
+            assert error["type"] == "insufficient_quota" and error["code"] == "budget_exceeded"
+            assert error["message"].startswith(f"this key's budget of {budget.normalize():f} USD per day cannot cover")
     spent = await db_pool.fetchval("SELECT sum(cost_usd) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id)
-    assert spent >= Decimal("0.05")
-    # A refused call never reaches the provider (and B at most served the calls before it knew).
-    assert (await fake.stats())["requests"] - upstream_calls <= 20
+    assert spent <= budget
+    # A refused call never reaches the provider.
+    assert (await fake.stats())["requests"] == upstream_calls

@@ -48,6 +48,8 @@ async def ledger(db_pool: asyncpg.Pool, key_factory: Any) -> dict[str, Any]:
     ]
     # Include the exact edges of days, where off-by-one mistakes live.
     events += [event(keys[0], subject, DAY0 + timedelta(days=d), rng, model="small", provider="a") for d in range(5)]
+    # And of hours, where the hourly rollup's edges are.
+    events += [event(keys[1], subject, DAY0 + timedelta(hours=h), rng, model="large", provider="b") for h in range(0, 96, 7)]
     for start in range(0, len(events), 100):  # several batches, like several ships
         await ship_lines(db_pool, [e.to_line() for e in events[start:start + 100]])
     return {"subject": subject, "keys": keys, "events": events}
@@ -77,6 +79,8 @@ RANGES: list[tuple[datetime | None, datetime | None]] = [
     (DAY0 + timedelta(hours=22), DAY0 + timedelta(days=1, hours=2)),  # across one midnight
     (DAY0 + timedelta(days=1, seconds=1), DAY0 + timedelta(days=3, seconds=-1)),
     (DAY0 + timedelta(days=3), DAY0 + timedelta(days=4)),  # the last day, and its end exactly
+    (DAY0 + timedelta(hours=7), DAY0 + timedelta(days=1, hours=14)),  # whole hours at both edges
+    (DAY0 + timedelta(hours=6, minutes=59), DAY0 + timedelta(days=2, hours=21, seconds=1)),  # hours and bits
 ]
 
 

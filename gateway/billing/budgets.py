@@ -1,10 +1,11 @@
 """Budgets: per key (on ``api_keys``) and per subject (``subject_budgets``), in USD.
 
 A budget holds for a period: ``day`` (the current UTC day), ``month`` (the current UTC
-calendar month) or ``total`` (all time). The check before a call reads spend counters
-the BillingActor keeps in memory; :func:`fetch_spend` is what refreshes them about once
-a second from ``budget_spend`` (one row per budget and period, kept by the ledger's
-trigger; never the ledger itself), so every replica sees every replica's spend.
+calendar month) or ``total`` (all time). Admission is a reservation in a shared store
+(:mod:`gateway.billing.reservations`, :mod:`gateway.billing.gate`); :func:`fetch_spend`
+refreshes, about once a second from ``budget_spend`` (one row per budget and period,
+kept by the ledger's trigger; never the ledger itself), the subject budgets the gate
+reads and the spend figures :class:`actors.billing.Spend` reports.
 :class:`SubjectBudgetStore` is the one place the CLI and the admin API change subject
 budgets.
 """
@@ -20,6 +21,7 @@ from typing import Any
 import asyncpg
 
 from gateway.auth.keys import BUDGET_PERIODS, MAX_BUDGET_USD, Database
+from gateway.billing.reservations import micro_usd
 
 __all__ = [
     "BUDGET_PERIODS",
@@ -54,27 +56,27 @@ LEFT JOIN budget_spend s
 
 @dataclass(frozen=True, slots=True)
 class SpendSnapshot:
-    """What the ledger says has been spent in each budget's current period."""
+    """What the ledger says has been spent in each budget's current period (micro-USD)."""
 
-    #: Keys with a budget → USD spent in the key's period.
-    key_spend: dict[uuid.UUID, float]
-    #: Subjects with a budget → USD spent in the subject's period.
-    subject_spend: dict[uuid.UUID, float]
+    #: Keys with a budget → micro-USD spent in the key's period.
+    key_spend: dict[uuid.UUID, int]
+    #: Subjects with a budget → micro-USD spent in the subject's period.
+    subject_spend: dict[uuid.UUID, int]
     #: Subjects with a budget → (USD, period).
-    subject_budgets: dict[uuid.UUID, tuple[float, str]]
+    subject_budgets: dict[uuid.UUID, tuple[Decimal, str]]
 
 
 async def fetch_spend(conn: asyncpg.Connection | asyncpg.Pool) -> SpendSnapshot:
     """Spend of every budgeted key and subject in its current period (one query)."""
-    keys: dict[uuid.UUID, float] = {}
-    subjects: dict[uuid.UUID, float] = {}
-    budgets: dict[uuid.UUID, tuple[float, str]] = {}
+    keys: dict[uuid.UUID, int] = {}
+    subjects: dict[uuid.UUID, int] = {}
+    budgets: dict[uuid.UUID, tuple[Decimal, str]] = {}
     for row in await conn.fetch(_SPEND_QUERY):
         if row["scope"] == "key":
-            keys[row["id"]] = float(row["spent"])
+            keys[row["id"]] = micro_usd(row["spent"])
         else:
-            subjects[row["id"]] = float(row["spent"])
-            budgets[row["id"]] = (float(row["budget"]), row["period"])
+            subjects[row["id"]] = micro_usd(row["spent"])
+            budgets[row["id"]] = (row["budget"], row["period"])
     return SpendSnapshot(key_spend=keys, subject_spend=subjects, subject_budgets=budgets)
 
 

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import orjson
 
+from gateway.billing.reservations import micro_usd
+
 __all__ = ["Journal", "JournalBusy", "Segment"]
 
 log = logging.getLogger("gateway.billing")
@@ -57,13 +59,14 @@ class Segment:
 
     path: Path
     lines: int = 0
-    key_spend: dict[uuid.UUID, float] = field(default_factory=dict)
-    subject_spend: dict[uuid.UUID, float] = field(default_factory=dict)
+    #: Integer micro-USD (exact sums, see gateway/billing/reservations.py).
+    key_spend: dict[uuid.UUID, int] = field(default_factory=dict)
+    subject_spend: dict[uuid.UUID, int] = field(default_factory=dict)
 
-    def add_spend(self, api_key_id: uuid.UUID, subject_id: uuid.UUID, cost: float) -> None:
-        if cost > 0:
-            self.key_spend[api_key_id] = self.key_spend.get(api_key_id, 0.0) + cost
-            self.subject_spend[subject_id] = self.subject_spend.get(subject_id, 0.0) + cost
+    def add_spend(self, api_key_id: uuid.UUID, subject_id: uuid.UUID, cost_micro_usd: int) -> None:
+        if cost_micro_usd > 0:
+            self.key_spend[api_key_id] = self.key_spend.get(api_key_id, 0) + cost_micro_usd
+            self.subject_spend[subject_id] = self.subject_spend.get(subject_id, 0) + cost_micro_usd
 
 
 def _segment_name(seq: int) -> str:
@@ -123,7 +126,7 @@ def _spend_of(lines: list[bytes], segment: Segment) -> None:
         obj = orjson.loads(raw)
         try:
             segment.add_spend(
-                uuid.UUID(obj["api_key_id"]), uuid.UUID(obj["subject_id"]), float(obj.get("cost_usd") or 0)
+                uuid.UUID(obj["api_key_id"]), uuid.UUID(obj["subject_id"]), micro_usd(obj.get("cost_usd") or 0)
             )
         except (KeyError, TypeError, ValueError):
             continue
@@ -227,7 +230,7 @@ class Journal:
         return adopted, next_seq
 
     # -- appending and committing --------------------------------------------------------
-    def append(self, line: bytes, api_key_id: uuid.UUID, subject_id: uuid.UUID, cost: float) -> None:
+    def append(self, line: bytes, api_key_id: uuid.UUID, subject_id: uuid.UUID, cost_micro_usd: int) -> None:
         """Buffer one event line; :meth:`commit` makes it durable. Never blocks."""
         if self._lock_fd is None:
             self._append_after_close(line)
@@ -236,7 +239,7 @@ class Journal:
             self._active = Segment(self.directory / _segment_name(self._next_seq))
             self._next_seq += 1
         self._active.lines += 1
-        self._active.add_spend(api_key_id, subject_id, cost)
+        self._active.add_spend(api_key_id, subject_id, cost_micro_usd)
         self._buffer.append(line)
         self._has_data.set()
 
@@ -330,9 +333,9 @@ class Journal:
         if newer is not None:
             segment.lines += newer.lines
             for k, v in newer.key_spend.items():
-                segment.key_spend[k] = segment.key_spend.get(k, 0.0) + v
+                segment.key_spend[k] = segment.key_spend.get(k, 0) + v
             for s, v in newer.subject_spend.items():
-                segment.subject_spend[s] = segment.subject_spend.get(s, 0.0) + v
+                segment.subject_spend[s] = segment.subject_spend.get(s, 0) + v
 
     # -- shipping ---------------------------------------------------------------------
     def sealed(self) -> list[Segment]:
@@ -379,16 +382,16 @@ class Journal:
     def active_lines(self) -> int:
         return self._active.lines if self._active is not None else 0
 
-    def unshipped_spend(self) -> tuple[dict[uuid.UUID, float], dict[uuid.UUID, float]]:
-        """USD of every event not yet in the ledger, per key and per subject."""
-        keys: dict[uuid.UUID, float] = {}
-        subjects: dict[uuid.UUID, float] = {}
+    def unshipped_spend(self) -> tuple[dict[uuid.UUID, int], dict[uuid.UUID, int]]:
+        """Micro-USD of every event not yet in the ledger, per key and per subject."""
+        keys: dict[uuid.UUID, int] = {}
+        subjects: dict[uuid.UUID, int] = {}
         segments = [*self._sealed, *([self._active] if self._active is not None else [])]
         for segment in segments:
             for k, v in segment.key_spend.items():
-                keys[k] = keys.get(k, 0.0) + v
+                keys[k] = keys.get(k, 0) + v
             for s, v in segment.subject_spend.items():
-                subjects[s] = subjects.get(s, 0.0) + v
+                subjects[s] = subjects.get(s, 0) + v
         return keys, subjects
 
     # -- closing ------------------------------------------------------------------------

@@ -19,46 +19,61 @@ nothing to price, and flagging its model as unpriced would only be noise.
 from __future__ import annotations
 
 import math
+from decimal import Decimal
 
+from gateway.billing.reservations import micro_usd, price_micro
 from gateway.core.config import Price
 from gateway.core.usage import CallRecord, Usage
 
-__all__ = ["COST_SOURCES", "cost_from_price", "settle_cost"]
+__all__ = ["COST_SOURCES", "cost_from_price", "exact_cost_from_price", "settle_cost"]
 
 #: Every value ``CallRecord.cost_source`` takes (the ledger's check constraint agrees).
 COST_SOURCES = ("provider", "price", "unpriced", "none", "cache", "passthrough")
 
-_PER_MILLION = 1_000_000.0
+_PER_MILLION = Decimal(1_000_000)
+
+
+def exact_cost_from_price(usage: Usage, price: Price) -> Decimal:
+    """USD for ``usage`` at ``price`` (per million input and output tokens), exactly."""
+    micro = usage.prompt_tokens * price_micro(price.input_per_mtok) + usage.completion_tokens * price_micro(
+        price.output_per_mtok
+    )
+    return micro / _PER_MILLION
 
 
 def cost_from_price(usage: Usage, price: Price) -> float:
-    """USD for ``usage`` at ``price`` (per million input and output tokens)."""
-    return (
-        usage.prompt_tokens * price.input_per_mtok + usage.completion_tokens * price.output_per_mtok
-    ) / _PER_MILLION
+    """The same, as the float metrics and logs show (its shortest text is the exact figure)."""
+    return float(exact_cost_from_price(usage, price))
 
 
-def _provider_cost(usage: Usage) -> float | None:
+def _provider_cost(usage: Usage) -> Decimal | None:
     """The provider's own USD cost when it is a usable number, else None."""
     cost = usage.cost_usd
     if cost is None or not math.isfinite(cost) or cost < 0:
         return None
-    return cost
+    return Decimal(repr(cost))
 
 
 def settle_cost(record: CallRecord) -> None:
-    """Set ``record.cost_usd`` and ``record.cost_source`` from its usage and price."""
+    """Set ``record.cost_usd``, ``cost_micro_usd`` and ``cost_source`` from usage and price.
+
+    The figure is exact (a Decimal, then a float whose shortest text is that decimal, so
+    the ledger's ``numeric`` stores it exactly); ``cost_micro_usd`` is the same amount
+    rounded up to the micro-dollar, what budgets count (never less than the ledger)."""
     usage = record.usage
     provider_cost = _provider_cost(usage)
+    cost = Decimal(0)
     if record.cache == "hit":
         # Answered from the response cache: the provider was not called.
-        record.cost_usd, record.cost_source = 0.0, "cache"
+        record.cost_source = "cache"
     elif provider_cost is not None:
-        record.cost_usd, record.cost_source = provider_cost, "provider"
+        cost, record.cost_source = provider_cost, "provider"
     elif usage.total_tokens == 0:
         # A pass-through answer without a usage object we know: recorded, not priced.
         record.cost_usd, record.cost_source = 0.0, "passthrough" if record.passthrough else "none"
     elif record.price is not None:
-        record.cost_usd, record.cost_source = cost_from_price(usage, record.price), "price"
+        cost, record.cost_source = exact_cost_from_price(usage, record.price), "price"
     else:
-        record.cost_usd, record.cost_source = 0.0, "unpriced"
+        record.cost_source = "unpriced"
+    record.cost_usd = float(cost)
+    record.cost_micro_usd = micro_usd(cost)

@@ -7,9 +7,10 @@ One query function serves ``llm-gateway usage`` and ``GET /admin/usage``:
     return web.json_response(report.to_json())
 
 It stays fast on a large ledger by reading whole UTC days from the ``usage_daily``
-rollup and only the partial days at the edges of the range (``since``/``until`` that are
-not midnight) from the ledger itself, through its ``created_at`` index. The result is
-exactly what summing the ledger over ``[since, until)`` gives. Days are UTC days.
+rollup, the whole hours of the partial days at the edges of the range (``since``/``until``
+that are not midnight) from ``usage_hourly``, and only the partial hours at its very ends
+from the ledger itself, through its ``created_at`` index. The result is exactly what
+summing the ledger over ``[since, until)`` gives. Days are UTC days.
 """
 
 from __future__ import annotations
@@ -37,14 +38,15 @@ __all__ = [
 #: What a report may be grouped by (the contract names key, model and day).
 GROUPS = ("key", "model", "day", "subject", "provider")
 
-#: group → (expression over usage_daily, expression over usage_ledger), both text.
+#: group → (expression over usage_daily, over usage_hourly, over usage_ledger), all text.
 _GROUP_EXPRESSIONS = {
-    "key": ("api_key_id::text", "api_key_id::text"),
-    "subject": ("subject_id::text", "subject_id::text"),
-    "model": ("model", "requested_model"),
-    "provider": ("provider", "coalesce(provider, '')"),
-    "day": ("day::text", "((created_at AT TIME ZONE 'UTC')::date)::text"),
+    "key": ("api_key_id::text", "api_key_id::text", "api_key_id::text"),
+    "subject": ("subject_id::text", "subject_id::text", "subject_id::text"),
+    "model": ("model", "model", "requested_model"),
+    "provider": ("provider", "provider", "coalesce(provider, '')"),
+    "day": ("day::text", "((hour AT TIME ZONE 'UTC')::date)::text", "((created_at AT TIME ZONE 'UTC')::date)::text"),
 }
+_HOUR = timedelta(hours=1)
 
 
 def parse_time(text: str, name: str) -> datetime:
@@ -189,9 +191,31 @@ def _split(since: datetime | None, until: datetime | None) -> tuple[
     return (first, last), edges
 
 
+def _hours(start: datetime | None, end: datetime | None) -> tuple[
+    tuple[datetime, datetime] | None, list[tuple[datetime | None, datetime | None]]
+]:
+    """Whole UTC hours ``[first, last)`` of an edge for the hourly rollup, and the partial
+    hours at its ends for the ledger (an open end stays with the ledger)."""
+    if start is None or end is None:
+        return None, [(start, end)]
+    a, b = start.astimezone(timezone.utc), end.astimezone(timezone.utc)
+    first = a.replace(minute=0, second=0, microsecond=0)
+    if first < a:
+        first += _HOUR
+    last = b.replace(minute=0, second=0, microsecond=0)
+    if first >= last:
+        return None, [(start, end)]
+    ledger: list[tuple[datetime | None, datetime | None]] = []
+    if a < first:
+        ledger.append((start, first))
+    if last < b:
+        ledger.append((last, end))
+    return (first, last), ledger
+
+
 async def usage_report(conn: asyncpg.Connection | asyncpg.Pool, query: UsageQuery) -> UsageReport:
-    """Run ``query``: one SQL statement over the rollup and the ledger's edges."""
-    daily_group, ledger_group = _GROUP_EXPRESSIONS[query.group_by]
+    """Run ``query``: one SQL statement over the rollups and the ledger's edges."""
+    daily_group, hourly_group, ledger_group = _GROUP_EXPRESSIONS[query.group_by]
     args: list[Any] = []
 
     def arg(value: Any) -> str:
@@ -217,7 +241,20 @@ async def usage_report(conn: asyncpg.Connection | asyncpg.Pool, query: UsageQuer
                    sum(cost_usd) AS cost_usd, sum(cost_diem) AS cost_diem
             FROM usage_daily {'WHERE ' + ' AND '.join(conds) if conds else ''} GROUP BY 1"""
         )
-    for start, end in edges:
+    ledger_ranges: list[tuple[datetime | None, datetime | None]] = []
+    for edge_start, edge_end in edges:
+        hours, rest = _hours(edge_start, edge_end)
+        ledger_ranges += rest
+        if hours is None:
+            continue
+        conds = [*filters, f"hour >= {arg(hours[0])}", f"hour < {arg(hours[1])}"]
+        parts.append(
+            f"""SELECT {hourly_group} AS g, sum(requests) AS requests, sum(errors) AS errors,
+                   sum(prompt_tokens) AS prompt_tokens, sum(completion_tokens) AS completion_tokens,
+                   sum(cost_usd) AS cost_usd, sum(cost_diem) AS cost_diem
+            FROM usage_hourly WHERE {' AND '.join(conds)} GROUP BY 1"""
+        )
+    for start, end in ledger_ranges:
         conds = list(filters)
         if start is not None:
             conds.append(f"created_at >= {arg(start)}")

@@ -277,6 +277,8 @@ class ModelGroup(_Section):
     timeout: Seconds | None = Field(default=None, validation_alias="timeout_seconds")
     idle_timeout: Seconds | None = Field(default=None, validation_alias="idle_timeout_seconds")
     cache: CachePolicy | None = None
+    #: Output tokens a budget reserves for a call that sends no ``max_tokens``.
+    max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     #: Guardrail policy names (``guardrails.policies``), run in this order on every call.
     guardrails: Annotated[tuple[StrictStr, ...], says("expected a list of guardrail policy names")] = ()
 
@@ -489,7 +491,9 @@ def default_config(settings: Settings) -> GatewayConfig:
         )
     else:
         provider = ProviderConfig(name="mock", type="mock")
-    group = ModelGroup(name="*", deployments=(Deployment(provider=provider.name, model="*"),))
+    # The offline mock costs nothing: priced at zero, so budgeted keys may call it.
+    price = Price() if provider.type == "mock" else None
+    group = ModelGroup(name="*", deployments=(Deployment(provider=provider.name, model="*", price=price),))
     return GatewayConfig(providers={provider.name: provider}, models=(group,))
 
 

@@ -67,6 +67,8 @@ class Settings:
     billing_journal_dir: Path | None = None
     #: How often billing ships its journal to the ledger (``BILLING_SHIP_INTERVAL_SECONDS``).
     billing_ship_interval: float = 0.1
+    #: How long a budget reservation of a process that died holds before it expires.
+    budget_reservation_ttl: float = 600.0
 
     @property
     def journal_dir(self) -> Path:
@@ -222,4 +224,5 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         home=Path(home_raw).expanduser() if home_raw else Settings().home,
         billing_journal_dir=Path(journal_raw).expanduser() if (journal_raw := env.get("BILLING_JOURNAL_DIR")) else None,
         billing_ship_interval=_number(env, "BILLING_SHIP_INTERVAL_SECONDS", 0.1, integer=False, minimum=0.001),
+        budget_reservation_ttl=_number(env, "BUDGET_RESERVATION_TTL_SECONDS", 600.0, integer=False, minimum=1),
     )

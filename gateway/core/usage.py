@@ -216,6 +216,9 @@ class CallRecord:
     #: What the call cost, settled once when it ends (:func:`gateway.billing.pricing.settle_cost`):
     #: the provider's own ``cost``, else the price table's, else 0.
     cost_usd: float = 0.0
+    #: The same cost in integer micro-USD, rounded up: what budgets count (never less
+    #: than the ledger's exact figure).
+    cost_micro_usd: int = 0
     #: provider | price | unpriced (tokens but no way to price them) | none (no tokens)
     #: | cache (answered from the response cache).
     cost_source: str = "none"

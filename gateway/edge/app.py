@@ -24,6 +24,8 @@ from actors.runtime import Supervisor
 from gateway.admin import cache as cache_admin
 from gateway.admin import routes as admin
 from gateway.auth.keys import KeyStore
+from gateway.billing.gate import unpriced_deployments
+from gateway.billing.reservations import ReservationStore, open_reservations
 from gateway.core.config import ConfigError, GatewayConfig, Settings
 from gateway.core.db import connect_pool, migrate
 from gateway.edge import chat, completions, dataplane, messages, openapi, passthrough, ratelimit, telemetry
@@ -75,6 +77,7 @@ async def gateway_state(
     session: aiohttp.ClientSession | None = None
     supervisor = Supervisor()
     embedder = None
+    reservations: ReservationStore | None = None
     try:
         if run_migrations:
             async with pool.acquire() as conn:
@@ -82,8 +85,15 @@ async def gateway_state(
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=30)
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         # Billing first: actors stop in reverse, so it drains after everything that tells it.
-        billing_actor = BillingActor(pool, settings.journal_dir, ship_interval=settings.billing_ship_interval)
+        reservations = open_reservations(settings.redis_url, pool, key_prefix=config.rate_limits.key_prefix)
+        billing_actor = BillingActor(
+            pool, settings.journal_dir, ship_interval=settings.billing_ship_interval,
+            reservations=reservations, reservation_ttl=settings.budget_reservation_ttl,
+        )
         billing = BillingHandle(billing_actor, await supervisor.start(billing_actor))
+        if billing_actor.has_budgets and (unpriced := unpriced_deployments(config)):
+            log.error("budgets: deployments with no price (calls of budgeted keys to them are refused "
+                      "with 402 until a price is set): %s", ", ".join(unpriced))
         auth_actor = AuthActor(pool, dsn)
         auth_ref = await supervisor.start(auth_actor)
         breaker_actor = BreakerActor(config.circuit_breaker)
@@ -117,6 +127,8 @@ async def gateway_state(
         yield state
     finally:
         await supervisor.stop()
+        if reservations is not None:
+            await reservations.close()
         await tracing.shutdown()
         if embedder is not None:
             embedder.close()

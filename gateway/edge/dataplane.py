@@ -8,7 +8,8 @@ import time
 import orjson
 from aiohttp import web
 
-from gateway.core.errors import InvalidRequest
+from gateway.billing.pricing import settle_cost
+from gateway.core.errors import GatewayError, InvalidRequest
 from gateway.core.usage import CallRecord, usage_from_answer
 from gateway.edge import telemetry
 from gateway.edge.dispatch import embed
@@ -89,15 +90,38 @@ async def embeddings(request: web.Request) -> web.Response:
     if "input" not in body:
         raise InvalidRequest("'input' is required", code="invalid_input")
     route = state.router.resolve(model, key.policy.allowed_models)
-    state.billing.check_budget(key)  # a spent budget stops embeddings too (402)
     record = CallRecord(
         request_id=request_id_of(request), api_key_id=key.api_key_id, subject_id=key.subject_id,
         requested_model=model,
     )
-    _target, reply = await embed(state, route, body, record)
-    permit.charge(usage_from_answer(reply.body, reply.answer)[0].total_tokens)
-    return web.Response(
-        status=reply.status,
-        body=reply.body,
-        headers={"Content-Type": reply.headers.get("Content-Type", "application/json")},
-    )
+    # Budgets hold here too: the input's worst case is reserved before it is sent.
+    reservation = await state.billing.reserve(key, record, route, state.router, body, embeddings=True)
+    started = time.monotonic()
+    try:
+        target, reply = await embed(state, route, body, record)
+        record.status = reply.status
+        record.served_model = target.upstream_model
+        usage, answer = usage_from_answer(reply.body, reply.answer)
+        if answer is not None and isinstance(answer.get("model"), str):
+            record.served_model = answer["model"]
+        record.usage = usage
+        if not reply.ok:
+            record.outcome = "provider_error"
+        permit.charge(usage.total_tokens)
+        return web.Response(
+            status=reply.status,
+            body=reply.body,
+            headers={"Content-Type": reply.headers.get("Content-Type", "application/json")},
+        )
+    except asyncio.CancelledError:
+        record.outcome, record.status = "cancelled", record.status or 499
+        raise
+    except GatewayError as exc:
+        record.status, record.outcome, record.error_type = exc.status, "upstream_error", exc.error_code
+        raise
+    finally:
+        # One ledger row per embeddings call, with its tokens and cost, as for chat.
+        record.latency = time.monotonic() - started
+        settle_cost(record)
+        state.billing.record(record)
+        state.billing.settle(reservation, record)

@@ -25,6 +25,7 @@ import fnmatch
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import orjson
@@ -79,7 +80,6 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     provider = state.providers.get(name)
     if provider is None or not provider.passthrough_base:
         raise ModelNotFound(f"no provider {name!r} to pass through to", code="provider_not_found")
-    state.billing.check_budget(key)
     raw = await read_body(request, state.settings.body_limit)
     model = _model_of(raw)
     record = CallRecord(
@@ -88,6 +88,8 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         deployment=f"{name}/passthrough", passthrough=True,
     )
     record.price = _price_of(state, name, model)
+    # Budgets hold here too: the body's worst case at its model's price, held before sending.
+    reservation = await state.billing.reserve_passthrough(key, record, _json_of(raw), record.price)
     permit.track(record)
     started = time.monotonic()
     try:
@@ -98,6 +100,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     finally:
         record.latency = time.monotonic() - started
         _finish(state, record)
+        state.billing.settle(reservation, record)
 
 
 async def _relay(
@@ -161,6 +164,14 @@ async def _chunks(
                 record.ttft = time.monotonic() - started
             await response.write(chunk)
             yield chunk
+
+
+def _json_of(raw: bytes) -> Any:
+    """The body as JSON where it is JSON (a worst case reads its ``max_tokens``), else its text."""
+    try:
+        return orjson.loads(raw) if raw else {}
+    except orjson.JSONDecodeError:
+        return raw.decode("utf-8", "replace")
 
 
 def _model_of(raw: bytes) -> str | None:

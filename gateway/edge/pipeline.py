@@ -137,7 +137,6 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
     parsed = protocol.parse(await read_json_body(request, state.settings.body_limit), request)
     model, stream, body = parsed.model, parsed.stream, parsed.body
     route = state.router.resolve(model, key.policy.allowed_models)
-    state.billing.check_budget(key)  # 402 from in-memory counters: no hop, no database trip
     cache = None if state.cache is None or not protocol.cacheable else state.cache.ticket(
         route.group.name, model, body, key.api_key_id, key.subject_id, request.headers
     )
@@ -149,6 +148,9 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
         stream=stream,
         protocol=protocol.name,
     )
+    # Budget hook: the call's worst case is held before anything is sent (402 if it cannot
+    # be), and released at its real cost in the finally below (gateway/billing/gate.py).
+    reservation = await state.billing.reserve(key, record, route, state.router, body)
     permit.track(record)
     started = time.monotonic()
     observed = telemetry.begin_call(request, record, body)
@@ -172,6 +174,7 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
         record.latency = time.monotonic() - started
         record.cache = None if cache is None else cache.status
         _finish(state, record)
+        state.billing.settle(reservation, record)  # budget hook: release at the real cost
         telemetry.end_call(request, observed, record)
 
 

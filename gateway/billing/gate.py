@@ -1,0 +1,118 @@
+"""The budget check before a call: reserve its worst-case cost, or refuse it.
+
+:class:`BudgetGate` turns a call (who makes it, what it may cost at most) into a
+:class:`~gateway.billing.reservations.Reservation` against every budget that applies,
+asks the shared store to admit it, and answers the contract's errors:
+
+* 402 ``budget_exceeded`` when the reservation does not fit (nothing is sent);
+* 402 ``budget_exceeded`` with an explicit message when a budgeted key calls a model
+  with a deployment that has no price (it would be silently free otherwise);
+* 503 ``budget_unavailable`` when the shared store cannot be reached: budgeted keys fail
+  closed, since admitting them blind could overshoot (keys without a budget never wait
+  on the store at all).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Mapping, Sequence
+from decimal import Decimal
+
+from gateway.billing.reservations import (
+    Reservation,
+    ReservationStore,
+    budgets_of,
+    is_finite_price,
+    worst_case_micro_usd,
+)
+from gateway.core.config import GatewayConfig, Price
+from gateway.core.errors import BudgetExceeded, ServiceUnavailable
+
+__all__ = ["BudgetGate", "unpriced_deployments"]
+
+log = logging.getLogger("gateway.billing")
+
+#: Longest a call waits for the shared store before it is refused 503 (fail closed).
+RESERVE_TIMEOUT = 2.0
+
+
+class BudgetGate:
+    """Reservations for calls of budgeted keys and subjects; nothing for the others."""
+
+    def __init__(
+        self, store: ReservationStore, *, ttl: float, subject_budgets: Mapping[uuid.UUID, tuple[Decimal, str]]
+    ) -> None:
+        self.store = store
+        self.ttl = ttl
+        #: Subject → (USD, period): the billing actor's published view, refreshed each second.
+        self._subject_budgets = subject_budgets
+
+    def applies(self, subject_id: uuid.UUID, key_budget: Decimal | None) -> bool:
+        return key_budget is not None or subject_id in self._subject_budgets
+
+    async def reserve(
+        self,
+        *,
+        call_id: uuid.UUID,
+        api_key_id: uuid.UUID,
+        key_budget: tuple[Decimal, str] | None,
+        subject_id: uuid.UUID,
+        model: str,
+        prices: Sequence[Price | None],
+        prompt_bound: int,
+        output_cap: int,
+    ) -> Reservation | None:
+        """Hold the call's worst case against its budgets; None when none applies."""
+        subject_budget = self._subject_budgets.get(subject_id)
+        budgets = budgets_of(api_key_id, key_budget, subject_id, subject_budget)
+        if not budgets:
+            return None
+        if not prices or not all(is_finite_price(p) for p in prices):
+            raise BudgetExceeded(
+                f"model '{model}' has a deployment with no price, so a call under a budget cannot be "
+                "counted; the operator must set a price for it (models[].deployments[].price)"
+            )
+        amount = worst_case_micro_usd(prompt_bound, output_cap, [p for p in prices if p is not None])
+        reservation = Reservation(call_id, amount, budgets)
+        try:
+            async with asyncio.timeout(RESERVE_TIMEOUT):
+                refused = await self.store.reserve(reservation, self.ttl)
+        except Exception as exc:
+            log.warning("billing: budget store unreachable (%s: %s); budgeted calls refused",
+                        type(exc).__name__, exc)
+            raise ServiceUnavailable(
+                "budgets cannot be checked right now (budget store unreachable); try again shortly",
+                code="budget_unavailable", retry_after=1,
+            ) from exc
+        if refused is None:
+            return reservation
+        budget = budgets[refused]
+        whose = "this key's budget" if budget.scope == "key" else "the budget of this key's subject"
+        raise BudgetExceeded(
+            f"{whose} of {_usd_text(budget.limit_micro_usd)} USD {_per(budget.period)} cannot cover this "
+            f"call's worst-case cost of {_usd_text(amount)} USD (prompt plus {output_cap} output tokens); "
+            "send a smaller max_tokens or wait for the budget period to renew"
+        )
+
+    async def settle(self, reservation: Reservation, cost_micro_usd: int) -> None:
+        await self.store.settle(reservation, cost_micro_usd)
+
+
+def _usd_text(micro: int) -> str:
+    """Micro-USD as people write dollars: 0.05, 25, 12.5."""
+    text = f"{Decimal(micro) / Decimal(1_000_000):f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _per(period: str) -> str:
+    return {"day": "per day", "month": "per month", "total": "in total"}.get(period, "")
+
+
+def unpriced_deployments(config: GatewayConfig) -> list[str]:
+    """``group → deployment`` of every configured deployment without a price: calls of a
+    budgeted key or subject to them are refused (402), so start-up names them."""
+    return [
+        f"{group.name} -> {d.id}" for group in config.models for d in group.deployments if not is_finite_price(d.price)
+    ]

@@ -1,0 +1,90 @@
+"""Budgets across replicas: two gateway processes share every reservation, through Redis
+or through PostgreSQL alone, and a replica killed with reservations open lets go of them
+after BUDGET_RESERVATION_TTL_SECONDS."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+from decimal import Decimal
+from typing import Any
+
+import aiohttp
+import asyncpg
+import pytest
+
+from tests.conftest import FakeUpstream, GatewayProcess, auth, chat_body, config_for
+
+#: 0.1 USD per output token, input free: a one-token call reserves and costs 0.1 USD.
+TENTH_PER_TOKEN = {"input_per_mtok": 0.0, "output_per_mtok": 100_000.0}
+ONE_WORD = chat_body("hello there", max_tokens=1)
+TTL_SECONDS = 2
+
+
+async def replicas(process_factory: Any, fake: FakeUpstream, store: str, redis_url: str,
+                   price: dict[str, float] = TENTH_PER_TOKEN) -> list[GatewayProcess]:
+    config = config_for(
+        fake.url, rate_limits={"key_prefix": f"budgets-{uuid.uuid4().hex[:8]}"},
+        models=[{"name": "*", "deployments": [{"provider": "fake", "model": "*", "price": price}]}],
+    )
+    env = {"BUDGET_RESERVATION_TTL_SECONDS": str(TTL_SECONDS)}
+    if store == "redis":
+        env["REDIS_URL"] = redis_url
+    return [await process_factory(env=env, config_yaml=config) for _ in range(2)]
+
+
+async def call(session: aiohttp.ClientSession, replica: GatewayProcess, key: str, body: dict[str, Any] = ONE_WORD) -> int:
+    async with session.post(f"{replica.url}/v1/chat/completions", json=body, headers=auth(key)) as resp:
+        await resp.read()
+        return resp.status
+
+
+@pytest.mark.parametrize("store", ["redis", "postgresql"])
+async def test_fifty_calls_split_over_two_replicas_admit_at_most_ten(
+    store: str, process_factory: Any, fake_factory: Any, key_factory: Any, db_pool: asyncpg.Pool, redis_url: str
+) -> None:
+    fake = await fake_factory(latency_ms=300)
+    pair = await replicas(process_factory, fake, store, redis_url)
+    raw, record = await key_factory(budget_usd=Decimal("1"), budget_period="day", rate_limit_requests=100_000)
+    async with aiohttp.ClientSession() as session:
+        statuses = await asyncio.gather(*(call(session, pair[i % 2], raw) for i in range(50)))
+    assert statuses.count(200) == 10 and statuses.count(402) == 40, statuses
+    assert (await fake.stats())["requests"] == 10
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # both replicas ship their rows
+        if await db_pool.fetchval("SELECT count(*) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id) == 10:
+            break
+        await asyncio.sleep(0.1)
+    spent = await db_pool.fetchval("SELECT sum(cost_usd) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id)
+    assert spent == Decimal("1")
+
+
+@pytest.mark.parametrize("store", ["postgresql", "redis"])
+async def test_a_killed_replicas_reservations_expire_and_the_budget_is_usable_again(
+    store: str, process_factory: Any, fake_factory: Any, key_factory: Any, redis_url: str
+) -> None:
+    fake = await fake_factory(chunk_delay_ms=1000)
+    # 100 output tokens at 0.001 USD: 0.1 USD reserved, on a budget that holds one such call.
+    pair = await replicas(process_factory, fake, store, redis_url, {"input_per_mtok": 0.0, "output_per_mtok": 1000.0})
+    raw, _ = await key_factory(budget_usd=Decimal("0.15"), budget_period="day")
+    big = chat_body("hello there", max_tokens=100, stream=True)
+    victim, survivor = pair
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{victim.url}/v1/chat/completions", json=big, headers=auth(raw))
+        assert resp.status == 200
+        await resp.content.readline()  # under way: its reservation is open
+        victim.signal(signal.SIGKILL)
+        victim.wait(10)
+        resp.close()
+        killed_at = time.monotonic()
+        assert await call(session, survivor, raw, big) == 402  # the dead call still holds it
+        while time.monotonic() - killed_at < TTL_SECONDS + 8:
+            status = await call(session, survivor, raw, big)
+            if status == 200:
+                break
+            assert status == 402
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError("the killed replica's reservation never expired")
