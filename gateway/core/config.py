@@ -436,6 +436,9 @@ def _check_references(config: GatewayConfig) -> None:
     embedder = config.cache.semantic.embedder
     if embedder != "local" and embedder not in names:
         raise ConfigError(f"cache.semantic.embedder: expected 'local' or a model name, got {embedder!r}")
+    for policy_name, declared in config.guardrails.policies.items():
+        if declared.type == "moderation" and declared.model not in names:
+            raise ConfigError(f"guardrails.policies.{policy_name}.model: unknown model group {declared.model!r}")
     for i, m in enumerate(config.models):
         for j, policy in enumerate(m.guardrails):
             if policy not in config.guardrails.policies:

@@ -29,6 +29,7 @@ from gateway.billing.reservations import ReservationStore, open_reservations
 from gateway.core.config import ConfigError, GatewayConfig, Settings
 from gateway.core.db import connect_pool, migrate
 from gateway.edge import chat, completions, dataplane, messages, openapi, passthrough, ratelimit, telemetry
+from gateway.edge.guardrails import build_guardrails
 from gateway.http.admission import ADMISSION, AdmissionGate, admission_middleware, default_max_in_flight
 from gateway.http.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
 from gateway.http.middleware import error_middleware, security_headers
@@ -103,6 +104,7 @@ async def gateway_state(
         providers = _providers(config, session, settings)
         router = Router(config)
         cache, embedder = await start_cache(supervisor, config, settings.redis_url, providers, router, pool=pool)
+        guardrails = build_guardrails(config, session, router, providers)
         state = GatewayState(
             settings=settings,
             config=config,
@@ -121,6 +123,7 @@ async def gateway_state(
             limiter=LimiterHandle(limiter_actor, limiter_ref),
             call_listeners=[billing.record],
             cache=cache,
+            guardrails=guardrails if guardrails.any else None,
         )
         # Last, so the metrics listener runs after billing's (which may price the call).
         telemetry.install(state)

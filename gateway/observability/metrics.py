@@ -111,7 +111,7 @@ OVERFLOW_LABEL = "other"
 AUTH_FAILURE_REASONS = ("missing", "malformed", "unknown", "revoked", "expired", "unavailable")
 #: ``gateway_circuit_state`` values (contract §9).
 CIRCUIT_STATES: Mapping[str, int] = {"closed": 0, "half-open": 1, "half_open": 1, "open": 2}
-CALL_OUTCOMES = ("ok", "provider_error", "upstream_error", "cancelled", "cut")
+CALL_OUTCOMES = ("ok", "provider_error", "upstream_error", "cancelled", "cut", "blocked")
 #: ``result`` values of ``gateway_cache_requests_total``, and the cache counter each reads.
 CACHE_RESULTS: Mapping[str, str] = {"hit": "hits", "miss": "misses", "bypass": "bypasses"}
 
@@ -288,6 +288,11 @@ class GatewayMetrics:
             "gateway_unpriced_calls_total", "Calls recorded at zero cost because no price was known.",
             ["model"], registry=r,
         )
+        self.guardrail_decisions = Counter(
+            "gateway_guardrail_decisions_total",
+            "What guardrail policies did (blocked, redacted, logged, failed_open), by policy and direction.",
+            ["policy", "action", "direction"], registry=r,
+        )
         self.upstream_retries = Counter(
             "gateway_upstream_retries_total", "Upstream attempts repeated, by provider and reason (status or error).",
             ["provider", "reason"], registry=r,
@@ -418,6 +423,8 @@ class GatewayMetrics:
 
         Runs right after the call ends, so ``now`` is the call's end for the timings.
         """
+        for policy, action, direction in record.guardrails:
+            self.guardrail_decisions.labels(policy, action, direction).inc()
         if record.cache == "hit":
             self._observe_hit(record)
             return
