@@ -138,7 +138,7 @@ async def test_anthropic_messages_get_the_same_policies_in_their_own_error_shape
 
 
 async def test_a_group_without_policies_is_untouched(gw: tuple[Gateway, FakeUpstream], api_key: str) -> None:
-    gateway, fake = gw
+    gateway, _ = gw
     resp = await gateway.data.post("/v1/chat/completions", json=chat_body(f"card {CARD}", model="open"),
                                    headers=auth(api_key))
     assert resp.status == 200 and CARD in (await resp.json())["choices"][0]["message"]["content"]
