@@ -97,9 +97,14 @@ async def test_wrong_token_is_refused_with_the_form_again(console: Gateway) -> N
     assert "not the admin token" in await resp.text()
 
 
-async def test_sign_in_from_another_site_is_refused(console: Gateway) -> None:
+@pytest.mark.parametrize("headers", [
+    {"Origin": "https://evil.example"},
+    {"Origin": "null", "Sec-Fetch-Site": "cross-site"},
+    {"Sec-Fetch-Site": "same-site"},
+])
+async def test_sign_in_from_another_site_is_refused(console: Gateway, headers: dict[str, str]) -> None:
     resp = await console.management.post("/ui/login", data={"token": ADMIN_TOKEN}, allow_redirects=False,
-                                         headers={"Origin": "https://evil.example"})
+                                         headers=headers)
     assert resp.status == 403
     assert COOKIE not in resp.cookies
 

@@ -83,12 +83,18 @@ def console_page(handler: PageHandler) -> Callable[[web.Request], Awaitable[web.
 
 
 def _same_origin(request: web.Request) -> bool:
+    """Did this form post come from one of our own pages?
+
+    Browsers say so in ``Sec-Fetch-Site``; under the plane's ``Referrer-Policy:
+    no-referrer`` Chromium sends ``Origin: null`` even for a same-origin form, so
+    ``Origin`` is the fallback for browsers without fetch metadata. A client that sends
+    neither is not a browser, and CSRF cannot involve it.
+    """
+    site = request.headers.get("Sec-Fetch-Site")
+    if site is not None:
+        return site in ("same-origin", "none")
     origin = request.headers.get("Origin")
-    if origin is None or origin == "null":
-        # Chromium and Firefox send Origin on every form POST; its absence means a
-        # non-browser client, which CSRF cannot involve.
-        return origin is None
-    return origin == f"{request.scheme}://{request.host}"
+    return origin is None or origin == f"{request.scheme}://{request.host}"
 
 
 async def _audit(request: web.Request, actor: str, action: str, detail: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime, timedelta, timezone
 from typing import Any
+from urllib.parse import urlencode
 
 from aiohttp import web
 
@@ -114,7 +115,7 @@ async def usage_page(request: web.Request, session: Session) -> web.StreamRespon
     )
     if report is None:
         return page("Usage", form + f'<p class="error" role="alert">{esc(error)}</p>', session, active="/ui/usage")
-    csv_url = "/ui/usage.csv?" + "&".join(f"{esc(k)}={esc(v)}" for k, v in params.items())
+    csv_url = esc("/ui/usage.csv?" + urlencode(params))
     rows = [
         (esc(row_label(r)), f"{r.requests:,}", f"{r.errors:,}", f"{r.prompt_tokens:,}", f"{r.completion_tokens:,}",
          f'<span data-cost="{float(r.cost_usd):.6f}">{money(float(r.cost_usd))}</span>')
@@ -234,8 +235,9 @@ async def audit_page(request: web.Request, session: Session) -> web.StreamRespon
     ]
     more = ""
     if len(entries) > 50:
-        more_q = "&".join(f"{k}={esc(v)}" for k, v in (("action", action), ("api_key_id", key_id)) if v)
-        more = f'<p><a href="/ui/audit?after={shown[-1].audit_id}&{more_q}">Older entries</a></p>'
+        more_q = urlencode({"after": shown[-1].audit_id, **{k: str(v) for k, v in (
+            ("action", action), ("api_key_id", key_id)) if v}})
+        more = f'<p><a href="/ui/audit?{esc(more_q)}">Older entries</a></p>'
     body = ((f'<p class="error" role="alert">{esc(message)}</p>' if message else "") + form
             + table(("When (UTC)", "Who", "Action", "Key", "Detail", "From"), rows, numeric_from=99, id_="audit")
             + more)
