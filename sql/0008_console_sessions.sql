@@ -11,6 +11,9 @@ CREATE TABLE console_sessions
   , role text NOT NULL CHECK (role IN ('admin', 'viewer'))
   -- token | oidc
   , method text NOT NULL
+  -- For a token sign-in: a fingerprint of the ADMIN_TOKEN it was made with. When the
+  -- token is changed, the sessions made with the old one answer nothing more.
+  , token_fingerprint text
   , created_at timestamptz NOT NULL DEFAULT now()
   , expires_at timestamptz NOT NULL
   );

@@ -387,3 +387,104 @@ async def test_sign_on_refuses_a_forged_token_and_a_foreign_state(gateway_factor
     before = len(idp.token_requests)
     cold = await gw.management.get("/ui/oidc/callback?code=x&state=y", allow_redirects=False)
     assert cold.status == 400 and len(idp.token_requests) == before
+
+
+# -- replicas and the admin token -------------------------------------------------------
+async def test_a_session_works_on_every_replica_until_the_admin_token_changes(
+    gateway_factory: Callable[..., Any], fake: FakeUpstream,
+) -> None:
+    first = await gateway_factory(env={"ADMIN_TOKEN": ADMIN_TOKEN}, config_yaml=config_for(fake.url))
+    replica = await gateway_factory(env={"ADMIN_TOKEN": ADMIN_TOKEN}, config_yaml=config_for(fake.url))
+    rotated = await gateway_factory(env={"ADMIN_TOKEN": ADMIN_TOKEN + "-new"}, config_yaml=config_for(fake.url))
+    cookie, csrf = await sign_in(first)
+    made = await replica.management.post("/admin/keys", json={"name": "r"}, headers=with_session(cookie, csrf))
+    assert made.status == 201
+    assert (await replica.management.get("/ui/keys", headers=with_session(cookie), allow_redirects=False)).status == 200
+    # The token it was signed in with is no longer the admin token there: the session is over.
+    assert (await rotated.management.get("/admin/keys", headers=with_session(cookie))).status == 401
+    assert (await rotated.management.get("/ui/keys", headers=with_session(cookie), allow_redirects=False)).status == 303
+
+
+def test_the_session_cookie_is_secure_over_tls() -> None:
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway.admin.session import session_cookie
+
+    for scheme, secure in (("https", True), ("http", False)):
+        request = make_mocked_request("POST", "/ui/login").clone(scheme=scheme)
+        response = web.Response()
+        session_cookie(response, request, "t0ken", 60)
+        header = response.cookies[COOKIE].output()
+        assert ("Secure" in header) is secure, scheme
+        assert "HttpOnly" in header and "SameSite=Strict" in header and "Max-Age=60" in header
+
+
+# -- pages: filters and errors -------------------------------------------------------------
+async def test_keys_page_searches_and_filters(console: Gateway) -> None:
+    alpha = await (await console.management.post("/admin/keys", json={"name": "alpha-team"}, headers=ADMIN)).json()
+    beta = await (await console.management.post("/admin/keys", json={"name": "beta-team"}, headers=ADMIN)).json()
+    await console.management.post(f"/admin/keys/{beta['api_key_id']}/revoke", headers=ADMIN)
+    cookie, _ = await sign_in(console)
+
+    async def listed(**params: str) -> str:
+        resp = await console.management.get("/ui/keys", params=params, headers=with_session(cookie))
+        assert resp.status == 200
+        return (await resp.text()).split('id="keys"')[1]
+
+    assert "alpha-team" in await listed(q="ALPHA") and "beta-team" not in await listed(q="alpha")
+    assert "alpha-team" in await listed(q=alpha["key_prefix"])
+    revoked = await listed(state="revoked")
+    assert "beta-team" in revoked and "alpha-team" not in revoked
+    by_subject = await listed(subject_id=alpha["subject_id"])
+    assert "alpha-team" in by_subject and "beta-team" not in by_subject
+    bad = await (await console.management.get("/ui/keys", params={"subject_id": "x", "state": "gone"},
+                                              headers=with_session(cookie))).text()
+    assert "subject must be a UUID" in bad
+    missing = await console.management.get("/ui/keys/7d0a5ad1-0000-4000-8000-000000000000", headers=with_session(cookie))
+    assert "Key not found" in await missing.text()
+    detail = await (await console.management.get(f"/ui/keys/{alpha['api_key_id']}", headers=with_session(cookie))).text()
+    assert alpha["key_prefix"] in detail and "key.create" in detail and 'id="revoke-key"' in detail
+
+
+async def test_audit_page_filters_by_action_and_key(console: Gateway) -> None:
+    one = await (await console.management.post("/admin/keys", json={"name": "one"}, headers=ADMIN)).json()
+    await console.management.post(f"/admin/keys/{one['api_key_id']}/revoke", headers=ADMIN)
+    await console.management.post("/admin/keys", json={"name": "two"}, headers=ADMIN)
+    cookie, _ = await sign_in(console)
+
+    async def rows(**params: str) -> list[str]:
+        page = await (await console.management.get("/ui/audit", params=params, headers=with_session(cookie))).text()
+        return re.findall(r"<tr><td[^>]*>[^<]+</td><td[^>]*>[^<]+</td><td[^>]*>([a-z._]+)</td>", page)
+
+    assert set(await rows(action="key.revoke")) == {"key.revoke"}
+    assert sorted(await rows(api_key_id=one["api_key_id"])) == ["key.create", "key.revoke"]
+    assert "session.sign_in" in await rows()
+
+
+async def test_usage_page_groups_by_each_dimension_and_explains_a_bad_range(console: Gateway, api_key: str) -> None:
+    assert (await console.data.post("/v1/chat/completions", json=chat_body(), headers=auth(api_key))).status == 200
+    assert await console.state.billing.flush()
+    cookie, _ = await sign_in(console)
+    for group_by in ("day", "model", "key", "subject", "provider"):
+        page = await (await console.management.get("/ui/usage", params={"group_by": group_by},
+                                                    headers=with_session(cookie))).text()
+        report = await usage_report(console.state.pool, UsageQuery(
+            group_by=group_by, since=datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+            - timedelta(days=6)))
+        total = re.search(r'data-total-cost="([0-9.]+)"', page)
+        assert total and float(total.group(1)) == pytest.approx(float(report.total.cost_usd), abs=1e-6), group_by
+        assert len(re.findall(r"data-cost=", page)) == len(report.rows), group_by
+    bad = {"since": "2026-02-01", "until": "2026-01-01"}
+    page = await (await console.management.get("/ui/usage", params=bad, headers=with_session(cookie))).text()
+    assert "since: must be before until" in page
+    exported = await console.management.get("/ui/usage.csv", params=bad, headers=with_session(cookie))
+    assert exported.status == 400 and "since: must be before until" in await exported.text()
+
+
+async def test_an_admin_session_purges_the_cache(console: Gateway) -> None:
+    cookie, csrf = await sign_in(console)
+    resp = await console.management.delete("/admin/cache?all=true", headers=with_session(cookie, csrf))
+    assert resp.status == 200 and "purged" in await resp.json()
+    page = await (await console.management.get("/ui/cache", headers=with_session(cookie))).text()
+    assert 'id="purge-cache"' in page and 'id="hit-rate"' in page

@@ -269,3 +269,14 @@ async def test_providers_table_refreshes_by_itself(browser: Any, console: Gatewa
     await page.locator("#providers tbody tr td").nth(5).filter(has_not_text=before).wait_for(timeout=8000)
     assert await calls.inner_text() != before
     await context.close()
+
+
+async def test_cache_purge_from_the_page(browser: Any, console: Gateway) -> None:
+    context, page = await new_page(browser)
+    await sign_in(page, console)
+    await page.goto(base(console) + "/ui/cache")
+    await page.check("#f-all")
+    await page.click("#purge-cache button[type=submit]")
+    await page.wait_for_selector("#form-status:has-text('Purged')")
+    await shot(page, "cache")
+    await context.close()

@@ -106,7 +106,7 @@ class AdminAuth:
     takes the same time whatever the presented token and its length.
     """
 
-    __slots__ = ("_digest", "actor")
+    __slots__ = ("_digest", "actor", "fingerprint")
 
     def __init__(self, token: str | None, name: str | None = None) -> None:
         if token:
@@ -116,9 +116,12 @@ class AdminAuth:
             digest = hashlib.sha256(token.encode("utf-8", "surrogatepass"))
             self._digest: bytes | None = digest.digest()
             self.actor = name or f"token:{digest.hexdigest()[:12]}"
+            #: Ties console sessions to this token: a new ADMIN_TOKEN ends the old ones.
+            self.fingerprint: str | None = hashlib.sha256(b"console-session:" + self._digest).hexdigest()[:32]
         else:
             self._digest = None
             self.actor = name or "disabled"
+            self.fingerprint = None
 
     @property
     def enabled(self) -> bool:
@@ -180,7 +183,7 @@ async def _authorize(request: web.Request, auth: AdminAuth, sign_on: bool) -> st
             raise AdminDisabled("no ADMIN_TOKEN is set: sign in at /ui/ for a session")
         return auth.check(authorization)
     try:
-        session = await SessionStore(request.app[STATE].pool).get(cookie)
+        session = await SessionStore(request.app[STATE].pool).get(cookie, admin_fingerprint=auth.fingerprint)
     except CONNECTION_ERRORS:
         raise ServiceUnavailable("database unavailable", code="database_unavailable", retry_after=1) from None
     if session is None:

@@ -95,8 +95,12 @@ class SessionStore:
     def __init__(self, pool: asyncpg.Pool) -> None:
         self._pool = pool
 
-    async def create(self, principal: str, role: str, method: str, ttl: float) -> tuple[str, Session]:
-        """A new session; returns the cookie's token (shown nowhere else) and the session."""
+    async def create(
+        self, principal: str, role: str, method: str, ttl: float, *, token_fingerprint: str | None = None,
+    ) -> tuple[str, Session]:
+        """A new session; returns the cookie's token (shown nowhere else) and the session.
+
+        ``token_fingerprint`` ties a token sign-in to the ADMIN_TOKEN it was made with."""
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}")
         token, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
@@ -105,18 +109,21 @@ class SessionStore:
             # Sessions that ended by themselves go when new ones start: no sweeper needed.
             await conn.execute("DELETE FROM console_sessions WHERE expires_at < now()")
             await conn.execute(
-                """INSERT INTO console_sessions (token_sha256, csrf_token, principal, role, method, expires_at)
-                VALUES ($1, $2, $3, $4, $5, $6)""",
-                _digest(token), csrf, principal, role, method, expires_at,
+                """INSERT INTO console_sessions
+                    (token_sha256, csrf_token, principal, role, method, expires_at, token_fingerprint)
+                VALUES ($1, $2, $3, $4, $5, $6, $7)""",
+                _digest(token), csrf, principal, role, method, expires_at, token_fingerprint,
             )
         return token, Session(principal, role, method, csrf, expires_at)
 
-    async def get(self, token: str) -> Session | None:
-        """The live session of this cookie token, or None (unknown, ended or expired)."""
+    async def get(self, token: str, *, admin_fingerprint: str | None = None) -> Session | None:
+        """The live session of this cookie token, or None (unknown, ended or expired, or
+        signed in with an admin token other than today's ``admin_fingerprint``)."""
         row = await self._pool.fetchrow(
             """SELECT principal, role, method, csrf_token, expires_at FROM console_sessions
-            WHERE token_sha256 = $1 AND expires_at > now()""",
-            _digest(token),
+            WHERE token_sha256 = $1 AND expires_at > now()
+              AND (token_fingerprint IS NULL OR token_fingerprint = $2)""",
+            _digest(token), admin_fingerprint,
         )
         if row is None:
             return None

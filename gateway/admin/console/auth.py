@@ -55,7 +55,9 @@ async def current_session(request: web.Request) -> Session | None:
     token = request.cookies.get(COOKIE)
     if not token:
         return None
-    session = await SessionStore(request.app[STATE].pool).get(token)
+    session = await SessionStore(request.app[STATE].pool).get(
+        token, admin_fingerprint=request.app[CONSOLE].auth.fingerprint,
+    )
     if session is not None:
         request[_SESSION] = session
     return session
@@ -151,7 +153,7 @@ async def login_submit(request: web.Request) -> web.StreamResponse:
         log.warning("console sign-in refused (bad token) from %s", request.remote)
         return _login_page(request, message="That is not the admin token.", status=401)
     token_value, _ = await SessionStore(request.app[STATE].pool).create(
-        actor, "admin", "token", console.settings.session_ttl,
+        actor, "admin", "token", console.settings.session_ttl, token_fingerprint=console.auth.fingerprint,
     )
     await _audit(request, actor, "session.sign_in", {"method": "token", "role": "admin"})
     resp = web.HTTPSeeOther(_safe_next(request.query.get("next")))

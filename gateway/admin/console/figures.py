@@ -4,7 +4,8 @@ Spend, tokens, requests and errors come from :func:`gateway.billing.reports.usag
 (what ``GET /admin/usage`` and ``llm-gateway usage`` run: the daily rollup plus the
 partial days at the edges), so a page and the API agree for the same range. The one
 figure the rollup does not hold is latency: its percentiles are read from the ledger's
-``latency_seconds`` over the range through the ``created_at`` index.
+``latency_seconds`` over the range through the ``created_at`` index, over at most the
+:data:`LATENCY_SAMPLE` latest calls, so the page costs the same on a ledger of any size.
 """
 
 from __future__ import annotations
@@ -36,17 +37,24 @@ class Period:
         return self.total.errors / self.total.requests if self.total.requests else None
 
 
+#: Latency percentiles are computed over at most this many of the range's latest calls.
+LATENCY_SAMPLE = 100_000
+
+
 def midnight(day: date) -> datetime:
     return datetime.combine(day, time.min, tzinfo=timezone.utc)
 
 
 async def latency_percentiles(pool: asyncpg.Pool, since: datetime) -> tuple[float | None, float | None]:
-    """p50 and p99 of the ledger's call latency since ``since``, in milliseconds."""
+    """p50 and p99 of the call latency since ``since`` (the latest calls), in milliseconds."""
     row = await pool.fetchrow(
-        """SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY latency_seconds) AS p50,
-                  percentile_cont(0.99) WITHIN GROUP (ORDER BY latency_seconds) AS p99
-        FROM usage_ledger WHERE created_at >= $1""",
-        since,
+        """WITH latest AS (
+            SELECT latency_seconds FROM usage_ledger WHERE created_at >= $1
+            ORDER BY created_at DESC LIMIT $2)
+        SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY latency_seconds) AS p50,
+               percentile_cont(0.99) WITHIN GROUP (ORDER BY latency_seconds) AS p99
+        FROM latest""",
+        since, LATENCY_SAMPLE,
     )
     if row is None or row["p50"] is None:
         return None, None

@@ -122,7 +122,7 @@ def page(title: str, body: str, session: Session | None, *, active: str = "") ->
         f"{meta}<title>{esc(title)} · LLM gateway</title>"
         f'<link rel="stylesheet" href="{asset("console.css")}">'
         f'<script src="{asset("console.js")}" defer></script></head>'
-        f'<body>{nav}<main id="main"><h1>{esc(title)}</h1>{body}</main></body></html>'
+        f'<body><a class="skip" href="#main">Skip to content</a>{nav}<main id="main" tabindex="-1"><h1>{esc(title)}</h1>{body}</main></body></html>'
     )
 
 
