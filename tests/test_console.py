@@ -488,3 +488,51 @@ async def test_an_admin_session_purges_the_cache(console: Gateway) -> None:
     assert resp.status == 200 and "purged" in await resp.json()
     page = await (await console.management.get("/ui/cache", headers=with_session(cookie))).text()
     assert 'id="purge-cache"' in page and 'id="hit-rate"' in page
+
+
+def test_every_console_asset_is_packaged() -> None:
+    """setup.cfg's package_data must carry every file the console serves (no CDN, no build)."""
+    import configparser
+    import fnmatch
+
+    from tests.conftest import REPO
+
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    globs = [g.strip() for g in cfg["options.package_data"]["gateway"].splitlines() if g.strip()]
+    static = REPO / "gateway" / "admin" / "console" / "static"
+    files = [p.relative_to(REPO / "gateway").as_posix() for p in static.iterdir()]
+    assert files
+    for name in files:
+        assert any(fnmatch.fnmatch(name, g) for g in globs), f"{name} is not in package_data"
+
+
+async def test_pages_and_sessions_answer_503_while_the_database_is_away(
+    database_url: str, pg_proxy: Any, fake: FakeUpstream, tmp_path: Any,
+) -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from gateway.edge.app import build_management_app, gateway_state
+    from tests.conftest import via_proxy
+
+    path = tmp_path / "gateway.yaml"
+    path.write_text(config_for(fake.url))
+    environ = {"ADMIN_TOKEN": ADMIN_TOKEN, "GATEWAY_CONFIG": str(path)}
+    settings = load_settings(environ)
+    async with gateway_state(settings, load_config(settings, environ), via_proxy(database_url, pg_proxy.port)) as state:
+        client = TestClient(TestServer(build_management_app(state), host="127.0.0.1"))
+        await client.start_server()
+        try:
+            gw = Gateway(data=client, management=client, state=state)
+            cookie, csrf = await sign_in(gw)
+            await pg_proxy.cut()
+            page = await client.get("/ui/keys", headers=with_session(cookie), allow_redirects=False)
+            assert page.status == 503 and page.headers["Retry-After"] == "1"
+            assert "Database unavailable" in await page.text()
+            for method in ("GET", "POST"):
+                api = await client.request(method, "/admin/keys", json={"name": "during"},
+                                           headers=with_session(cookie, csrf))
+                assert api.status == 503 and (await api.json())["error"]["code"] == "database_unavailable"
+        finally:
+            await pg_proxy.restore()
+            await client.close()

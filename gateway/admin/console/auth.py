@@ -24,6 +24,7 @@ from gateway.admin.console.oidc import LOGIN_COOKIE, LOGIN_TTL, OidcClient, Oidc
 from gateway.admin.routes import AdminAuth
 from gateway.admin.session import COOKIE, Session, SessionStore, csrf_matches, session_cookie
 from gateway.core.config import AdminSettings
+from gateway.core.db import CONNECTION_ERRORS
 from gateway.core.errors import AdminDisabled, AdminUnauthorized
 from gateway.http.middleware import request_id_of
 from gateway.http.state import STATE
@@ -74,10 +75,21 @@ def console_page(handler: PageHandler) -> Callable[[web.Request], Awaitable[web.
     """A page that needs a session: without one, 303 to the sign-in page (back here after)."""
 
     async def wrapped(request: web.Request) -> web.StreamResponse:
-        session = await current_session(request)
-        if session is None:
-            raise web.HTTPSeeOther(str(URL("/ui/login").with_query(next=request.path_qs)))
-        return await handler(request, session)
+        try:
+            session = await current_session(request)
+            if session is None:
+                raise web.HTTPSeeOther(str(URL("/ui/login").with_query(next=request.path_qs)))
+            return await handler(request, session)
+        except CONNECTION_ERRORS as exc:
+            # Every page reads PostgreSQL: while it is away, say so (the admin API says 503 too).
+            log.warning("console page %s failed: database unavailable (%r)", request.path, exc)
+            resp = html_response(
+                "<!doctype html><html lang=en><head><meta charset=utf-8><title>Database unavailable</title></head>"
+                "<body><main><h1>Database unavailable</h1><p>PostgreSQL does not answer; try again in a moment.</p>"
+                "</main></body></html>", status=503,
+            )
+            resp.headers["Retry-After"] = "1"
+            return resp
 
     wrapped.__name__ = handler.__name__
     wrapped.__doc__ = handler.__doc__
