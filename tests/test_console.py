@@ -271,7 +271,7 @@ async def test_subjects_page_shows_spend_against_budget(console: Gateway) -> Non
     cookie, _ = await sign_in(console)
     page = await (await console.management.get("/ui/subjects", headers=with_session(cookie))).text()
     row = page.split(f"<code>{subject}</code>")[1].split("</tr>")[0]
-    assert "day" in row and "$5.0000" in row
+    assert "day" in row and "$5.0000" in row and "$0.000000" in row
 
 
 # -- config -----------------------------------------------------------------------------
@@ -536,3 +536,25 @@ async def test_pages_and_sessions_answer_503_while_the_database_is_away(
         finally:
             await pg_proxy.restore()
             await client.close()
+
+
+async def test_sign_on_says_so_when_the_identity_provider_is_down(
+    gateway_factory: Callable[..., Any], fake: FakeUpstream,
+) -> None:
+    from tests.conftest import free_port
+
+    down = f"http://127.0.0.1:{free_port()}"
+    gw = await gateway_factory(config_yaml=config_for(fake.url, admin={"oidc": {"issuer": down, "client_id": "c"}}))
+    login = await (await gw.management.get("/ui/login")).text()
+    assert 'id="sso"' in login and 'id="token"' not in login
+    resp = await gw.management.get("/ui/oidc/start", allow_redirects=False)
+    assert resp.status == 502
+    assert "cannot be reached" in await resp.text()
+
+
+async def test_usage_page_offers_range_presets(console: Gateway) -> None:
+    cookie, _ = await sign_in(console)
+    page = await (await console.management.get("/ui/usage", params={"group_by": "model"},
+                                                headers=with_session(cookie))).text()
+    month = (datetime.now(timezone.utc).date() - timedelta(days=29)).isoformat()
+    assert f'href="/ui/usage?since={month}&amp;group_by=model"' in page

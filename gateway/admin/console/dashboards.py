@@ -113,6 +113,13 @@ async def usage_page(request: web.Request, session: Session) -> web.StreamRespon
         f'value="{esc(params.get("subject_id", ""))}">'
         '<button type="submit">Show</button></form>'
     )
+    today = datetime.now(timezone.utc).date()
+    presets = " · ".join(
+        f'<a href="/ui/usage?{esc(urlencode({"since": (today - timedelta(days=days - 1)).isoformat(), "group_by": params["group_by"]}))}">'
+        f"{label}</a>"
+        for label, days in (("Today", 1), ("7 days", 7), ("30 days", 30), ("90 days", 90))
+    )
+    form += f'<p class="presets">Range: {presets} (UTC days)</p>'
     if report is None:
         return page("Usage", form + f'<p class="error" role="alert">{esc(error)}</p>', session, active="/ui/usage")
     csv_url = esc("/ui/usage.csv?" + urlencode(params))

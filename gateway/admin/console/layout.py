@@ -88,6 +88,9 @@ def esc(value: Any) -> str:
 
 
 def money(value: float) -> str:
+    """USD as the pages show it: small amounts to the micro-dollar (the CSV's precision)."""
+    if value < 1:
+        return f"${value:,.6f}"
     return f"${value:,.4f}" if value < 100 else f"${value:,.2f}"
 
 
