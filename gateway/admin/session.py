@@ -25,9 +25,9 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-import asyncpg
 from aiohttp import web
 
+from gateway.auth.keys import Database
 from gateway.core.errors import GatewayError
 
 __all__ = [
@@ -90,10 +90,11 @@ def csrf_matches(session: Session, presented: str | None) -> bool:
 
 
 class SessionStore:
-    """Create, read and end console sessions (rows of ``console_sessions``)."""
+    """Create, read and end console sessions (rows of ``console_sessions``); bind it to
+    the connection of a transaction to make a session and its audit row together."""
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
-        self._pool = pool
+    def __init__(self, db: Database) -> None:
+        self._db = db
 
     async def create(
         self, principal: str, role: str, method: str, ttl: float, *, token_fingerprint: str | None = None,
@@ -105,21 +106,20 @@ class SessionStore:
             raise ValueError(f"unknown role {role!r}")
         token, csrf = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
         expires_at = datetime.now(timezone.utc) + timedelta(seconds=ttl)
-        async with self._pool.acquire() as conn, conn.transaction():
-            # Sessions that ended by themselves go when new ones start: no sweeper needed.
-            await conn.execute("DELETE FROM console_sessions WHERE expires_at < now()")
-            await conn.execute(
-                """INSERT INTO console_sessions
-                    (token_sha256, csrf_token, principal, role, method, expires_at, token_fingerprint)
-                VALUES ($1, $2, $3, $4, $5, $6, $7)""",
-                _digest(token), csrf, principal, role, method, expires_at, token_fingerprint,
-            )
+        # Sessions that ended by themselves go when new ones start: no sweeper needed.
+        await self._db.execute("DELETE FROM console_sessions WHERE expires_at < now()")
+        await self._db.execute(
+            """INSERT INTO console_sessions
+                (token_sha256, csrf_token, principal, role, method, expires_at, token_fingerprint)
+            VALUES ($1, $2, $3, $4, $5, $6, $7)""",
+            _digest(token), csrf, principal, role, method, expires_at, token_fingerprint,
+        )
         return token, Session(principal, role, method, csrf, expires_at)
 
     async def get(self, token: str, *, admin_fingerprint: str | None = None) -> Session | None:
         """The live session of this cookie token, or None (unknown, ended or expired, or
         signed in with an admin token other than today's ``admin_fingerprint``)."""
-        row = await self._pool.fetchrow(
+        row = await self._db.fetchrow(
             """SELECT principal, role, method, csrf_token, expires_at FROM console_sessions
             WHERE token_sha256 = $1 AND expires_at > now()
               AND (token_fingerprint IS NULL OR token_fingerprint = $2)""",
@@ -131,7 +131,7 @@ class SessionStore:
 
     async def end(self, token: str) -> bool:
         """Sign out: the session answers nothing from now on, on every replica."""
-        status = await self._pool.execute("DELETE FROM console_sessions WHERE token_sha256 = $1", _digest(token))
+        status = await self._db.execute("DELETE FROM console_sessions WHERE token_sha256 = $1", _digest(token))
         return bool(status.endswith(" 1"))
 
 

@@ -111,11 +111,23 @@ def _same_origin(request: web.Request) -> bool:
     return origin is None or origin == f"{request.scheme}://{request.host}"
 
 
-async def _audit(request: web.Request, actor: str, action: str, detail: dict[str, Any]) -> None:
-    await AuditLog(request.app[STATE].pool).record(
-        actor=actor, action=action, api_key_id=None, detail=detail,
-        request_id=request_id_of(request), remote=request.remote,
-    )
+async def _start_session(
+    request: web.Request, principal: str, role: str, method: str, detail: dict[str, Any] | None = None,
+) -> str:
+    """A new session and its ``session.sign_in`` audit row, in one transaction; the cookie's token."""
+    console = request.app[CONSOLE]
+    fingerprint = console.auth.fingerprint if method == "token" else None
+    async with request.app[STATE].pool.acquire() as conn, conn.transaction():
+        token, _ = await SessionStore(conn).create(
+            principal, role, method, console.settings.session_ttl, token_fingerprint=fingerprint,
+        )
+        await AuditLog(conn).record(
+            actor=principal, action="session.sign_in", api_key_id=None,
+            detail={"method": method, "role": role, **(detail or {})},
+            request_id=request_id_of(request), remote=request.remote,
+        )
+    log.info("console sign-in: %s (%s, %s)", principal, role, method)
+    return token
 
 
 def _login_page(request: web.Request, *, message: str = "", status: int = 200) -> web.Response:
@@ -164,10 +176,7 @@ async def login_submit(request: web.Request) -> web.StreamResponse:
     except AdminUnauthorized:
         log.warning("console sign-in refused (bad token) from %s", request.remote)
         return _login_page(request, message="That is not the admin token.", status=401)
-    token_value, _ = await SessionStore(request.app[STATE].pool).create(
-        actor, "admin", "token", console.settings.session_ttl, token_fingerprint=console.auth.fingerprint,
-    )
-    await _audit(request, actor, "session.sign_in", {"method": "token", "role": "admin"})
+    token_value = await _start_session(request, actor, "admin", "token")
     resp = web.HTTPSeeOther(_safe_next(request.query.get("next")))
     session_cookie(resp, request, token_value, console.settings.session_ttl)
     raise resp
@@ -182,8 +191,12 @@ async def logout(request: web.Request) -> web.StreamResponse:
         if not _same_origin(request) or not csrf_matches(session, token if isinstance(token, str) else None):
             return html_response("<!doctype html><title>Refused</title><p>Sign-out refused: bad CSRF token.</p>",
                                  status=403)
-        await SessionStore(request.app[STATE].pool).end(request.cookies[COOKIE])
-        await _audit(request, session.principal, "session.sign_out", {"method": session.method})
+        async with request.app[STATE].pool.acquire() as conn, conn.transaction():
+            await SessionStore(conn).end(request.cookies[COOKIE])
+            await AuditLog(conn).record(
+                actor=session.principal, action="session.sign_out", api_key_id=None,
+                detail={"method": session.method}, request_id=request_id_of(request), remote=request.remote,
+            )
     resp = web.HTTPSeeOther("/ui/login")
     resp.del_cookie(COOKIE, path="/")
     raise resp
@@ -226,10 +239,7 @@ async def oidc_callback(request: web.Request) -> web.StreamResponse:
         log.warning("console single sign-on refused from %s: %s", request.remote, exc)
         return _login_page(request, message=f"Sign-in refused: {exc}", status=403)
     console = request.app[CONSOLE]
-    token, _ = await SessionStore(request.app[STATE].pool).create(
-        person.name, person.role, "oidc", console.settings.session_ttl,
-    )
-    await _audit(request, person.name, "session.sign_in", {"method": "oidc", "role": person.role, "sub": person.subject})
+    token = await _start_session(request, person.name, person.role, "oidc", {"sub": person.subject})
     # A page, not a redirect: the browser arrived here from the provider's site, and a
     # SameSite=Strict cookie is not sent on a redirect that a cross-site navigation
     # started; a refresh from this page is a same-site navigation, and carries it.
