@@ -101,7 +101,9 @@ async def keys_page(request: web.Request, session: Session) -> web.StreamRespons
             subject_id = uuid.UUID(subject_raw)
         except ValueError:
             message = "subject must be a UUID"
-    records = await request.app[STATE].keys.list(subject_id=subject_id, state=state, limit=MAX_LISTED)
+    records = await request.app[STATE].keys.list(subject_id=subject_id, state=state, limit=MAX_LISTED + 1)
+    truncated = len(records) > MAX_LISTED
+    records = records[:MAX_LISTED]
     if q:
         records = [r for r in records if q in r.name.lower() or q in r.key_prefix.lower() or q in str(r.api_key_id)]
     rows = [
@@ -138,7 +140,8 @@ async def keys_page(request: web.Request, session: Session) -> web.StreamRespons
     body = (
         (f'<p class="error" role="alert">{esc(message)}</p>' if message else "")
         + search + create + _raw_key_panel()
-        + f'<p class="count">{len(records)} key(s)</p>'
+        + f'<p class="count">{len(records)} key(s)'
+        + (f" (the newest {MAX_LISTED}: narrow by subject or state to see others)" if truncated else "") + "</p>"
         + table(("Name", "Prefix", "State", "Subject", "Limits", "Budget", "Last used", "Expires"), rows,
                 numeric_from=99, id_="keys", empty="No key matches.")
     )
