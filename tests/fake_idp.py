@@ -37,10 +37,17 @@ class FakeIdp:
     token_requests: list[dict[str, str]] = field(default_factory=list)
     #: Sign ID tokens with another key than the JWKS's (a forged token).
     forge: bool = False
+    #: Serve a JWKS with no key in it.
+    empty_jwks: bool = False
 
     def __post_init__(self) -> None:
         self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         self.other_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        self.kid = secrets.token_hex(4)
+
+    def rotate_keys(self) -> None:
+        """A new signing key under a new kid, as providers do from time to time."""
+        self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
         self.kid = secrets.token_hex(4)
 
     @property
@@ -68,6 +75,8 @@ class FakeIdp:
         })
 
     async def jwks(self, request: web.Request) -> web.Response:
+        if self.empty_jwks:
+            return web.json_response({"keys": []})
         jwk = jwt.algorithms.RSAAlgorithm.to_jwk(self.key.public_key(), as_dict=True)
         return web.json_response({"keys": [{**jwk, "kid": self.kid, "use": "sig", "alg": "RS256"}]})
 

@@ -558,3 +558,16 @@ async def test_usage_page_offers_range_presets(console: Gateway) -> None:
                                                 headers=with_session(cookie))).text()
     month = (datetime.now(timezone.utc).date() - timedelta(days=29)).isoformat()
     assert f'href="/ui/usage?since={month}&amp;group_by=model"' in page
+
+
+async def test_sign_on_follows_a_key_rotation_and_refuses_an_empty_jwks(
+    gateway_factory: Callable[..., Any], fake: FakeUpstream, idp: FakeIdp,
+) -> None:
+    gw = await oidc_gateway(gateway_factory, fake, idp)
+    assert (await sso(gw)).status == 200  # the JWKS is now cached
+    idp.rotate_keys()  # an unknown kid: fetched again at once, not after the cache's hour
+    assert (await sso(gw)).status == 200
+    idp.empty_jwks = True
+    idp.rotate_keys()
+    resp = await sso(gw)
+    assert resp.status == 403 and "JWKS is unusable" in await resp.text()

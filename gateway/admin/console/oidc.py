@@ -187,7 +187,10 @@ class OidcClient:
             raise OidcRefused(f"the ID token is signed with {alg!r}, which is not accepted")
         key = None
         for fresh in (False, True):
-            keys = jwt.PyJWKSet.from_dict(await self._keys(fresh=fresh)).keys
+            try:
+                keys = jwt.PyJWKSet.from_dict(await self._keys(fresh=fresh)).keys
+            except jwt.PyJWKSetError as exc:
+                raise OidcRefused(f"the identity provider's JWKS is unusable: {exc}") from None
             key = next((k for k in keys if header.get("kid") in (None, k.key_id)), None)
             if key is not None:
                 break
