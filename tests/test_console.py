@@ -1,8 +1,7 @@
-"""The admin console over HTTP (no browser): sessions, CSRF, roles, headers, figures, OIDC.
+"""The admin console over HTTP (no browser): sessions, CSRF, roles, headers, figures.
 
-Black-box against in-process gateways (both planes over loopback) and, for sign-on, a
-fake OpenID Connect provider (tests/fake_idp.py). The browser-driven flows are in
-tests/test_console_browser.py.
+Black-box against in-process gateways (both planes over loopback). Single sign-on is in
+tests/test_console_oidc.py, the browser-driven flows in tests/test_console_browser.py.
 """
 
 from __future__ import annotations
@@ -11,11 +10,10 @@ import asyncio
 import csv
 import io
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-import aiohttp
 import pytest
 from yarl import URL
 
@@ -24,7 +22,6 @@ from gateway.admin.session import COOKIE, SessionStore
 from gateway.billing.reports import UsageQuery, format_table, usage_report
 from gateway.core.config import ConfigError, load_config, load_settings
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for
-from tests.fake_idp import FakeIdp, oidc_section, start_idp
 
 ADMIN_TOKEN = "console-admin-token-0123456789abcdef"
 ADMIN = auth(ADMIN_TOKEN)
@@ -38,14 +35,6 @@ async def console(gateway_factory: Callable[..., Any], fake: FakeUpstream) -> Ga
     return await gateway_factory(  # type: ignore[no-any-return]
         env={"ADMIN_TOKEN": ADMIN_TOKEN}, config_yaml=config_for(fake.url, models=PRICED),
     )
-
-
-@pytest.fixture
-async def idp() -> AsyncIterator[FakeIdp]:
-    provider = await start_idp()
-    yield provider
-    assert provider.server is not None
-    await provider.server.close()
 
 
 def origin(gw: Gateway) -> str:
@@ -298,97 +287,6 @@ def test_admin_oidc_config_is_checked(tmp_path: Any) -> None:
             load(section)
 
 
-# -- OIDC over HTTP -----------------------------------------------------------------------
-async def oidc_gateway(gateway_factory: Callable[..., Any], fake: FakeUpstream, idp: FakeIdp,
-                       **extra: Any) -> Gateway:
-    return await gateway_factory(  # type: ignore[no-any-return]
-        config_yaml=config_for(fake.url, admin=oidc_section(idp, **extra)),
-    )
-
-
-async def sso(gw: Gateway) -> aiohttp.ClientResponse:
-    """Walk the sign-on like a browser would (cookies by hand): returns the callback's answer."""
-    start = await gw.management.get("/ui/oidc/start?next=/ui/keys", allow_redirects=False)
-    assert start.status == 302, await start.text()
-    login_cookie = start.headers["Set-Cookie"]
-    assert "HttpOnly" in login_cookie and "SameSite=Lax" in login_cookie and "Path=/ui/oidc" in login_cookie
-    async with aiohttp.ClientSession() as browser:
-        at_idp = await browser.get(start.headers["Location"], allow_redirects=False)
-        assert at_idp.status == 302, await at_idp.text()
-        callback = URL(at_idp.headers["Location"])
-    name, _, value = login_cookie.split(";")[0].partition("=")
-    return await gw.management.get(callback.path_qs, headers={"Cookie": f"{name}={value}"}, allow_redirects=False)
-
-
-async def test_sign_on_with_pkce_names_the_person(gateway_factory: Callable[..., Any], fake: FakeUpstream,
-                                                  idp: FakeIdp) -> None:
-    gw = await oidc_gateway(gateway_factory, fake, idp, allowed_domains=["example.com"])
-    resp = await sso(gw)
-    assert resp.status == 200, await resp.text()
-    assert 'http-equiv="refresh" content="0;url=/ui/keys"' in await resp.text()
-    assert "SameSite=Strict" in resp.headers.getall("Set-Cookie")[0]
-    token = resp.cookies[COOKIE].value
-    sent = idp.token_requests[-1]
-    assert sent["code_verifier"] and sent["client_secret"]
-    page = await (await gw.management.get("/ui/keys", headers=with_session(token))).text()
-    assert "ada@example.com · admin" in page
-    csrf = re.search(r'name="csrf-token" content="([^"]+)"', page).group(1)  # type: ignore[union-attr]
-    made = await gw.management.post("/admin/keys", json={"name": "sso"}, headers=with_session(token, csrf))
-    assert made.status == 201
-    actor = await gw.state.pool.fetchval("SELECT actor FROM admin_audit WHERE action = 'key.create' "
-                                         "ORDER BY audit_id DESC LIMIT 1")
-    assert actor == "ada@example.com"
-    # No ADMIN_TOKEN here: a bearer token gets nothing, and is told where to sign in.
-    gw.management.session.cookie_jar.clear()
-    for headers in (ADMIN, {}):
-        refused = await gw.management.get("/admin/keys", headers=headers)
-        assert refused.status == 403
-        assert "sign in at /ui/" in (await refused.json())["error"]["message"]
-
-
-async def test_sign_on_role_viewer_is_read_only(gateway_factory: Callable[..., Any], fake: FakeUpstream,
-                                                idp: FakeIdp) -> None:
-    idp.claims = {"email": "vic@example.com", "email_verified": True,
-                  "realm_access": {"roles": ["viewer", "offline_access"]}}
-    gw = await oidc_gateway(gateway_factory, fake, idp, role_claim="realm_access.roles", default_role="none")
-    resp = await sso(gw)
-    token = resp.cookies[COOKIE].value
-    page = await (await gw.management.get("/ui/keys", headers=with_session(token))).text()
-    csrf = re.search(r'name="csrf-token" content="([^"]+)"', page).group(1)  # type: ignore[union-attr]
-    made = await gw.management.post("/admin/keys", json={"name": "v"}, headers=with_session(token, csrf))
-    assert (await made.json())["error"]["code"] == "read_only"
-
-
-@pytest.mark.parametrize("claims, extra, reason", [
-    ({"email": "eve@evil.example", "email_verified": True}, {"allowed_domains": ["example.com"]}, "email domain"),
-    ({"email": "eve@example.com", "email_verified": False}, {"allowed_domains": ["example.com"]}, "email domain"),
-    ({"email": "bob@example.com", "groups": ["staff"]}, {"allowed_groups": ["llm-admins"]}, "none of the groups"),
-    ({"email": "bob@example.com"}, {"default_role": "none"}, "no console role"),
-])
-async def test_sign_on_refuses_who_is_not_allowed(gateway_factory: Callable[..., Any], fake: FakeUpstream,
-                                                  idp: FakeIdp, claims: dict[str, Any], extra: dict[str, Any],
-                                                  reason: str) -> None:
-    idp.claims = claims
-    gw = await oidc_gateway(gateway_factory, fake, idp, **extra)
-    resp = await sso(gw)
-    assert resp.status == 403
-    assert reason in await resp.text()
-    assert COOKIE not in resp.cookies
-
-
-async def test_sign_on_refuses_a_forged_token_and_a_foreign_state(gateway_factory: Callable[..., Any],
-                                                                  fake: FakeUpstream, idp: FakeIdp) -> None:
-    gw = await oidc_gateway(gateway_factory, fake, idp)
-    idp.forge = True
-    resp = await sso(gw)
-    assert resp.status == 403 and "not valid" in await resp.text()
-    idp.forge = False
-    # A callback this browser did not start (no login cookie): refused before any code is redeemed.
-    before = len(idp.token_requests)
-    cold = await gw.management.get("/ui/oidc/callback?code=x&state=y", allow_redirects=False)
-    assert cold.status == 400 and len(idp.token_requests) == before
-
-
 # -- replicas and the admin token -------------------------------------------------------
 async def test_a_session_works_on_every_replica_until_the_admin_token_changes(
     gateway_factory: Callable[..., Any], fake: FakeUpstream,
@@ -538,36 +436,9 @@ async def test_pages_and_sessions_answer_503_while_the_database_is_away(
             await client.close()
 
 
-async def test_sign_on_says_so_when_the_identity_provider_is_down(
-    gateway_factory: Callable[..., Any], fake: FakeUpstream,
-) -> None:
-    from tests.conftest import free_port
-
-    down = f"http://127.0.0.1:{free_port()}"
-    gw = await gateway_factory(config_yaml=config_for(fake.url, admin={"oidc": {"issuer": down, "client_id": "c"}}))
-    login = await (await gw.management.get("/ui/login")).text()
-    assert 'id="sso"' in login and 'id="token"' not in login
-    resp = await gw.management.get("/ui/oidc/start", allow_redirects=False)
-    assert resp.status == 502
-    assert "cannot be reached" in await resp.text()
-
-
 async def test_usage_page_offers_range_presets(console: Gateway) -> None:
     cookie, _ = await sign_in(console)
     page = await (await console.management.get("/ui/usage", params={"group_by": "model"},
                                                 headers=with_session(cookie))).text()
     month = (datetime.now(timezone.utc).date() - timedelta(days=29)).isoformat()
     assert f'href="/ui/usage?since={month}&amp;group_by=model"' in page
-
-
-async def test_sign_on_follows_a_key_rotation_and_refuses_an_empty_jwks(
-    gateway_factory: Callable[..., Any], fake: FakeUpstream, idp: FakeIdp,
-) -> None:
-    gw = await oidc_gateway(gateway_factory, fake, idp)
-    assert (await sso(gw)).status == 200  # the JWKS is now cached
-    idp.rotate_keys()  # an unknown kid: fetched again at once, not after the cache's hour
-    assert (await sso(gw)).status == 200
-    idp.empty_jwks = True
-    idp.rotate_keys()
-    resp = await sso(gw)
-    assert resp.status == 403 and "JWKS is unusable" in await resp.text()
