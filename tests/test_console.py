@@ -10,6 +10,7 @@ import asyncio
 import csv
 import io
 import re
+import uuid
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -215,8 +216,9 @@ async def test_usage_page_and_csv_match_the_admin_api_and_the_cli(console: Gatew
     assert await console.state.billing.flush()
     cookie, _ = await sign_in(console)
     since = (datetime.now(timezone.utc) - timedelta(hours=1)).replace(microsecond=0).isoformat()
+    # The run's database is shared by every test: look at this key's calls only.
     for group_by in ("key", "model", "day"):
-        params = {"since": since, "group_by": group_by}
+        params = {"since": since, "group_by": group_by, "api_key_id": made["api_key_id"]}
         api = await (await console.management.get("/admin/usage", params=params, headers=ADMIN)).json()
         page = await (await console.management.get("/ui/usage", params=params, headers=with_session(cookie))).text()
         total = re.search(r'data-total-cost="([0-9.]+)"', page)
@@ -229,7 +231,7 @@ async def test_usage_page_and_csv_match_the_admin_api_and_the_cli(console: Gatew
         assert rows[-1]["group"] == "total" and int(rows[-1]["requests"]) == 3
         # The CLI's table prints the same numbers from the same report.
         report = await usage_report(console.state.pool, UsageQuery(
-            group_by=group_by, since=datetime.fromisoformat(since)))
+            group_by=group_by, since=datetime.fromisoformat(since), api_key_id=uuid.UUID(made["api_key_id"])))
         cli = format_table(report).splitlines()[-1].split()
         assert cli[0] == "TOTAL" and rows[-1]["cost_usd"] == cli[-1] and rows[-1]["requests"] == cli[1]
 
@@ -250,7 +252,11 @@ async def test_overview_figures_match_the_admin_api(console: Gateway) -> None:
         assert shown and float(shown.group(1)) == pytest.approx(api["totals"]["cost_usd"], abs=1e-6)
         assert f'data-figure="requests">{api["totals"]["requests"]:,}<' in section
         assert "ms /" in section  # p50 / p99 of the calls just made
-    assert made["key_prefix"] in page.split('id="top-key"')[1]
+    top_keys = await usage_report(console.state.pool, UsageQuery(
+        group_by="key", since=datetime.combine(today - timedelta(days=6), datetime.min.time(), tzinfo=timezone.utc)))
+    shown_top = page.split('id="top-key"')[1].split("</table>")[0]
+    assert top_keys.rows and all(f"{r.key_prefix} " in shown_top for r in top_keys.rows[:5])
+    assert shown_top.count("<tr>") == 1 + min(5, len(top_keys.rows))
 
 
 async def test_subjects_page_shows_spend_against_budget(console: Gateway) -> None:

@@ -174,6 +174,7 @@ async def test_key_lifecycle_in_the_browser(browser: Any, console: Gateway) -> N
     await page.wait_for_selector("dd:has-text('42/')")
     edited = await (await console.management.get(f"/admin/keys/{stored['api_key_id']}", headers=ADMIN)).json()
     assert edited["rate_limit_requests"] == 42 and edited["allowed_models"] is None
+    await shot(page, "key")
 
     # Rotate with a grace period: a new key, shown once; the old one keeps working meanwhile.
     await page.click("summary:has-text('Rotate')")
