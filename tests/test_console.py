@@ -364,6 +364,9 @@ async def test_audit_page_filters_by_action_and_key(console: Gateway) -> None:
     assert set(await rows(action="key.revoke")) == {"key.revoke"}
     assert sorted(await rows(api_key_id=one["api_key_id"])) == ["key.create", "key.revoke"]
     assert "session.sign_in" in await rows()
+    page = await (await console.management.get("/ui/audit", params={"api_key_id": one["api_key_id"]},
+                                                headers=with_session(cookie))).text()
+    assert "{&quot;already_revoked&quot;:false}" in page  # the detail as the API's JSON
 
 
 async def test_usage_page_groups_by_each_dimension_and_explains_a_bad_range(console: Gateway, api_key: str) -> None:

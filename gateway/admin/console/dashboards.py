@@ -19,7 +19,7 @@ from aiohttp import web
 from gateway.admin.audit import ACTIONS, AuditLog
 from gateway.admin.console.auth import console_page
 from gateway.admin.console.figures import csv_export, midnight, period_figures, row_label, top
-from gateway.admin.console.layout import bar_chart, esc, money, page, table
+from gateway.admin.console.layout import bar_chart, detail_json, esc, money, page, table
 from gateway.admin.session import Session
 from gateway.admin.views import providers_view
 from gateway.billing.reports import GROUPS, UsageReport, query_from_params, usage_report
@@ -237,7 +237,7 @@ async def audit_page(request: web.Request, session: Session) -> web.StreamRespon
     rows = [
         (esc(e.at.strftime("%Y-%m-%d %H:%M:%S")), esc(e.actor), esc(e.action),
          f'<a href="/ui/keys/{e.api_key_id}"><code>{esc(str(e.api_key_id)[:8])}</code></a>' if e.api_key_id else "—",
-         f"<code>{esc(e.detail)}</code>", esc(e.remote))
+         f"<code>{esc(detail_json(e.detail))}</code>", esc(e.remote))
         for e in shown
     ]
     more = ""

@@ -17,7 +17,7 @@ from aiohttp import web
 from gateway.admin.audit import AuditLog
 from gateway.admin.console.auth import console_page
 from gateway.admin.console.figures import midnight
-from gateway.admin.console.layout import esc, money, page, table
+from gateway.admin.console.layout import detail_json, esc, money, page, table
 from gateway.admin.session import Session
 from gateway.auth.keys import BUDGET_PERIODS, KEY_STATES, KeyNotFound, KeyRecord
 from gateway.billing.budgets import SubjectBudgetStore, fetch_spend
@@ -46,7 +46,7 @@ def _limits(r: KeyRecord) -> str:
 
 def _budget(r: KeyRecord) -> str:
     p = r.policy
-    return esc(f"${p.budget_usd} / {p.budget_period}") if p.budget_usd is not None else "—"
+    return esc(f"{money(float(p.budget_usd))} / {p.budget_period}") if p.budget_usd is not None else "—"
 
 
 def _field(name: str, label: str, *, kind: str = "text", value: str = "", hint: str = "", data: str = "",
@@ -208,7 +208,7 @@ async def key_page(request: web.Request, session: Session) -> web.StreamResponse
         ], empty="No calls in the last 7 days.")
         + "<h2>Audit</h2>"
         + table(("When", "Who", "Action", "Detail"), [
-            (_when(e.at), esc(e.actor), esc(e.action), f"<code>{esc(e.detail)}</code>") for e in trail
+            (_when(e.at), esc(e.actor), esc(e.action), f"<code>{esc(detail_json(e.detail))}</code>") for e in trail
         ], numeric_from=99)
     )
     return page(f"Key {record.name}", body, session, active="/ui/keys")

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from importlib import resources
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from gateway.admin.session import Session
@@ -23,6 +24,7 @@ __all__ = [
     "CONSOLE_CSP",
     "STATIC",
     "bar_chart",
+    "detail_json",
     "esc",
     "html_response",
     "money",
@@ -85,6 +87,11 @@ async def static_handler(request: web.Request) -> web.Response:
 
 def esc(value: Any) -> str:
     return html.escape("" if value is None else str(value), quote=True)
+
+
+def detail_json(detail: Any) -> str:
+    """An audit row's detail as the API shows it (JSON, keys sorted)."""
+    return orjson.dumps(detail, option=orjson.OPT_SORT_KEYS, default=str).decode()
 
 
 def money(value: float) -> str:
