@@ -228,6 +228,14 @@ async def test_a_viewer_is_refused_a_change_in_the_browser(browser: Any, console
     refused = await fetch_in_page(page, "POST", "/admin/keys", csrf=True)
     assert refused["status"] == 403 and refused["body"]["error"]["code"] == "read_only"
     assert (await fetch_in_page(page, "GET", "/admin/keys", csrf=False))["status"] == 200
+    # The page's CSP holds: an inline script injected into it does not run.
+    ran = await page.evaluate("""() => {
+        const s = document.createElement("script");
+        s.textContent = "window.injectedRan = true";
+        document.body.append(s);
+        return window.injectedRan === true;
+    }""")
+    assert ran is False
     await context.close()
 
 
