@@ -41,6 +41,7 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass
 
+from gateway.core.admin_config import AdminSettings, OidcSettings
 from gateway.core.extras import extra_installed
 from gateway.core.guardrail_config import GuardrailSettings
 from gateway.core.schema import SHAPE, Number, first_problem, problem, says
@@ -55,6 +56,8 @@ from gateway.core.settings import (
 )
 
 __all__ = [
+    "AdminSettings",
+    "OidcSettings",
     "DEFAULT_VENICE_BASE_URL",
     "BreakerSettings",
     "CachePolicy",
@@ -392,6 +395,7 @@ class GatewayConfig(_Section):
     rate_limits: RateLimitSettings = RateLimitSettings()
     cache: CacheSettings = CacheSettings()
     guardrails: GuardrailSettings = GuardrailSettings()
+    admin: AdminSettings = AdminSettings()
 
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from actors.limiter import LimiterActor, LimiterHandle
 from actors.runtime import Supervisor
 from gateway.admin import cache as cache_admin
 from gateway.admin import routes as admin
+from gateway.admin.console import add_console
 from gateway.auth.keys import KeyStore
 from gateway.billing.gate import unpriced_deployments
 from gateway.billing.reservations import ReservationStore, open_reservations
@@ -181,7 +182,8 @@ def build_data_app(state: GatewayState) -> web.Application:
 def build_management_app(
     state: GatewayState, *, metrics_handler: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None
 ) -> web.Application:
-    """The management plane: health, Prometheus metrics, the admin API, its OpenAPI document.
+    """The management plane: health, Prometheus metrics, the admin API, its OpenAPI
+    document, and the admin console (``/ui/``, :mod:`gateway.admin.console`).
 
     ``metrics_handler`` replaces this process's own ``/metrics`` (``serve --workers``
     serves the aggregation of its workers' registries instead).
@@ -192,9 +194,10 @@ def build_management_app(
         settings.management_cors_origins, allow_methods=("GET", "POST", "PUT", "PATCH", "DELETE"),
         allow_headers=MANAGEMENT_REQUEST_HEADERS, expose_headers=("x-request-id",),
     )
+    admin_auth = admin.AdminAuth(settings.admin_token, settings.admin_token_name)
     app = web.Application(
         middlewares=[telemetry.observe, cors.middleware, error_middleware, admin.admin_guard(
-            admin.AdminAuth(settings.admin_token, settings.admin_token_name)
+            admin_auth, sign_on=state.config.admin.oidc is not None,
         )],
         client_max_size=admin.admin_body_limit(settings.body_limit) + 1024,
     )
@@ -208,4 +211,5 @@ def build_management_app(
     app.router.add_get("/openapi.json", openapi.document_handler(openapi.management_document()))
     admin.add_admin_routes(app.router)
     cache_admin.add_routes(app)
+    add_console(app, admin_auth)
     return app
