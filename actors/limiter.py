@@ -179,6 +179,16 @@ class _Recovered:
 
 
 @dataclass(frozen=True, slots=True)
+class _Renewed:
+    """The outcome of one round of Redis concurrency-lease renewals."""
+
+    #: Leases Redis no longer held (expired or removed): that slot may now be someone else's.
+    lost: int
+    #: Renewals that failed (Redis unreachable): retried next tick.
+    failed: int
+
+
+@dataclass(frozen=True, slots=True)
 class _Charged:
     msg: Release
     error: BaseException | None
@@ -246,6 +256,12 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         self._held: dict[str, _Held] = {}
         self._abandoned: dict[str, float] = {}
         self._unreleased: list[tuple[str, str]] = []
+        #: Redis concurrency leases found lost on renewal, and renewals that failed: a long
+        #: stream whose lease is lost no longer counts toward its key's max_concurrent.
+        self.leases_lost = 0
+        self.lease_renew_failures = 0
+        #: Whether the last renewal round failed or found a lease lost (``/readyz``).
+        self.lease_trouble: str | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._last_prune = 0.0
         self._rejections: Counter[str] = Counter()
@@ -387,10 +403,26 @@ class LimiterActor(Actor[CheckIp | Acquire]):
                 await self._charge(msg.msg)  # on memory now
         elif isinstance(msg, _Recovered):
             self._recover(msg.store)
+        elif isinstance(msg, _Renewed):
+            self._renewed(msg)
         elif isinstance(msg, _Unreleased):
             self._unreleased.append((msg.slot, msg.member))
         elif msg == "tick":
             self._tick()
+
+    def _renewed(self, renewed: _Renewed) -> None:
+        self.leases_lost += renewed.lost
+        self.lease_renew_failures += renewed.failed
+        if renewed.lost:
+            log.warning("rate limits: %d concurrency lease(s) lost in Redis; those streams no longer count", renewed.lost)
+        if renewed.failed:
+            log.warning("rate limits: %d concurrency lease renewal(s) failed; retried next tick", renewed.failed)
+        trouble = []
+        if renewed.lost:
+            trouble.append(f"{renewed.lost} lost")
+        if renewed.failed:
+            trouble.append(f"{renewed.failed} renewal(s) failed")
+        self.lease_trouble = ", ".join(trouble) or None
 
     def _remote(
         self, decide: Coroutine[Any, Any, Any], msg: CheckIp | Acquire, local_slot: bool | None
@@ -716,7 +748,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         if redis is not None and shared is not None and not shared.down:
             held = [(f"conc/{h.api_key_id}", pid) for pid, h in self._held.items() if h.where == "redis"]
             if held:
-                self.spawn(_renew(redis, held, self._lease_ms))
+                self.spawn(_renew(redis, held, self._lease_ms), lambda counts, err: _Renewed(*(counts or (0, len(held)))))
         requests = self._requests
         if requests is not None and requests.name == "postgres" and now - self._last_prune > 300:
             self._last_prune = now
@@ -745,9 +777,18 @@ async def _together(windows: Windows, *ops: Coroutine[Any, Any, Any]) -> list[An
         raise StorageDown(windows.name, exc) from exc
 
 
-async def _renew(redis: RedisWindowStorage, held: list[tuple[str, str]], lease_ms: int) -> None:
-    """Extend every lease this replica holds (one pipeline); a failure waits for the next tick."""
-    await asyncio.gather(*(redis.slot_renew(name, pid, lease_ms) for name, pid in held), return_exceptions=True)
+async def _renew(redis: RedisWindowStorage, held: list[tuple[str, str]], lease_ms: int) -> tuple[int, int]:
+    """Extend every lease this replica holds (one pipeline): ``(lost, failed)`` counts.
+
+    A renewal that changed nothing found its lease gone (lost); one that raised failed and
+    waits for the next tick. Both are reported, never swallowed.
+    """
+    results = await asyncio.gather(
+        *(redis.slot_renew(name, pid, lease_ms) for name, pid in held), return_exceptions=True
+    )
+    failed = sum(1 for r in results if isinstance(r, BaseException))
+    lost = sum(1 for r in results if not isinstance(r, BaseException) and not r)
+    return lost, failed
 
 
 async def _quietly(op: Coroutine[Any, Any, Any]) -> None:
@@ -904,6 +945,16 @@ class LimiterHandle:
     def rejections(self) -> Mapping[str, int]:
         """Rejections so far by scope: ip, requests, tokens, concurrency."""
         return self._actor.rejections
+
+    @property
+    def lease_counts(self) -> tuple[int, int]:
+        """(leases lost, renewals failed) so far (``gateway_background_failures_total``)."""
+        return self._actor.leases_lost, self._actor.lease_renew_failures
+
+    @property
+    def lease_trouble(self) -> str | None:
+        """What went wrong in the last lease renewal round, if anything (``/readyz``)."""
+        return self._actor.lease_trouble
 
     @property
     def rejection_listeners(self) -> list[Callable[[str], None]]:

@@ -8,6 +8,7 @@ window is aligned to the clock); Redis keys carry a prefix unique to the test.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -403,3 +404,25 @@ def test_limits_is_pinned_to_the_tested_major() -> None:
     requires = [line.strip() for line in cfg["options"]["install_requires"].splitlines()]
     assert "limits>=5.0,<6" in requires
     assert version("limits").split(".")[0] == "5"
+
+
+async def test_a_lost_redis_lease_is_counted_logged_and_reported(
+    limiter_factory: Any, verified_key: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A long stream's concurrency lease that Redis no longer holds is not swallowed."""
+    limiter = await limiter_factory("redis", lease_seconds=0.3)
+    key = await verified_key(rate_limit_requests=100, rate_limit_window_seconds=HOUR, max_concurrent=2)
+    permit = await limiter.handle.acquire(key)
+    redis = limiter.actor.redis
+    assert redis is not None
+    async for name in redis._client.scan_iter(match=f"*conc/{key.api_key_id}*"):
+        await redis._client.delete(name)  # the lease is gone (e.g. Redis restarted, or it expired)
+    with caplog.at_level(logging.WARNING, logger="gateway.limiter"):
+        for _ in range(100):  # up to 5 s
+            if limiter.handle.lease_counts[0]:
+                break
+            await asyncio.sleep(0.05)
+    assert limiter.handle.lease_counts[0] >= 1
+    assert limiter.handle.lease_trouble is not None and "lost" in limiter.handle.lease_trouble
+    assert any("lease" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    permit.release()
