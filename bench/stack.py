@@ -443,6 +443,9 @@ class Stack:
         workers = self.options.gateway_workers
         if workers > 1:
             argv += ["--workers", str(workers)]
+            if "REDIS_URL" not in env:
+                # Memory limits per worker: fine for a benchmark whose keys never hit them.
+                argv.append("--per-worker-limits")
         self.gateway = self._spawn("gateway", argv, cpu=self.server_cpu if workers == 1 else None, env=env)
         self.gateway_url = f"http://127.0.0.1:{port}"
         self.management_url = f"http://127.0.0.1:{mport}"
