@@ -419,6 +419,17 @@ class AuthHandle:
         self._ref = ref
         self._view = actor.view
 
+    def answers_from_cache(self, token: str | None) -> bool:
+        """Would :meth:`authenticate` decide ``token`` without a database lookup?
+
+        True for a token whose key is cached (valid or not for this secret): the per-IP
+        guard spends its budget of failed attempts only on requests that may cost one.
+        """
+        return (
+            token is not None and KEY_PREFIX_LEN + 4 <= len(token) <= MAX_TOKEN_LEN
+            and token[:KEY_PREFIX_LEN] in self._view
+        )
+
     async def authenticate(self, token: str | None) -> VerifiedKey:
         """The key for ``token``, or Unauthenticated. Never touches the database if cached."""
         if not token:

@@ -106,9 +106,17 @@ class StorageDown(Exception):
 # -- messages ----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class CheckIp:
-    """May one more request from ``ip`` pass the flood guard? Replies with a Decision."""
+    """The per-address guard; replies with a Decision. ``kind`` says which question:
+
+    * ``any``: may one more request from ``ip`` pass the generous cap on all requests
+      (``per_ip_all``)? Counts it.
+    * ``peek``: has ``ip`` spent its allowance of failed attempts (``per_ip``)? Counts
+      nothing: asked before a request that would cost a key lookup.
+    * ``failed``: count one unauthenticated or failed attempt of ``ip``; always allowed.
+    """
 
     ip: str
+    kind: str = "any"
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +254,9 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         self._lease_ms = int(lease_seconds * 1000)
         self._probe_seconds = probe_seconds
         self._storage_timeout = storage_timeout
-        self._ip_items = _ip_items(settings)
+        #: Failed attempts per address (``per_ip``) and all requests per address (``per_ip_all``).
+        self._ip_items = _ip_items(settings.per_ip, settings.per_ip_burst)
+        self._ip_all_items = _ip_items(settings.per_ip_all, None)
         self._items: dict[tuple[int, int], RateLimitItem] = {}
         self._own_pool: asyncpg.Pool | None = None
         self._redis: RedisWindowStorage | None = None
@@ -273,7 +283,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         #: Called with the scope of every rejection, in the actor's loop (metrics hook).
         self.rejection_listeners: list[Callable[[str], None]] = []
         #: Whether the per-IP flood guard is on (``per_ip: off`` turns it off).
-        self.guards_ip = bool(self._ip_items)
+        self.guards_ip = bool(self._ip_items or self._ip_all_items)
         self.description = ""
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -324,7 +334,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
 
     def _describe(self) -> str:
         assert self._shared is not None and self._requests is not None
-        ip = ", ".join(str(i) for i in self._ip_items) or "off"
+        ip = ", ".join(str(i) for i in (*self._ip_items, *self._ip_all_items)) or "off"
         return (
             f"per-IP {ip} and tokens in {self._shared.name}, per-key requests in {self._requests.name} "
             f"({self._requests.primary.strategy.__class__.__name__}), concurrency in "
@@ -349,7 +359,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
             windows = shared.current()
             if not windows.immediate:
                 return None
-            return self._settle_ip(_run_now(self._decide_ip(windows, msg.ip)))
+            return self._settle_ip(_run_now(self._decide_ip(windows, msg)))
         requests_windows, shared_windows = requests.current(), shared.current()
         if not (requests_windows.immediate and shared_windows.immediate):
             return None
@@ -381,8 +391,8 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         if isinstance(msg, CheckIp):
             windows = self._shared.current()
             if windows.immediate:
-                return self._settle_ip(await self._decide_ip(windows, msg.ip))
-            return self._remote(self._decide_ip(windows, msg.ip), msg, None)
+                return self._settle_ip(await self._decide_ip(windows, msg))
+            return self._remote(self._decide_ip(windows, msg), msg, None)
         if isinstance(msg, Acquire):
             local_slot = self._reserve_local_slot(msg)
             requests, shared = self._requests.current(), self._shared.current()
@@ -460,11 +470,11 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         if isinstance(msg, CheckIp):
             windows = self._shared.current()
             if windows.immediate:
-                decision = self._settle_ip(await self._decide_ip(windows, msg.ip))
+                decision = self._settle_ip(await self._decide_ip(windows, msg))
                 if not done.reply.done():
                     done.reply.set_result(decision)
                 return
-            retry = self._remote(self._decide_ip(windows, msg.ip), msg, None)
+            retry = self._remote(self._decide_ip(windows, msg), msg, None)
         else:
             # A slot reserved in memory stays reserved; one that was to be leased in Redis
             # is now taken in memory.
@@ -480,9 +490,18 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         retry.add_done_callback(lambda f: _copy_outcome(f, done.reply))
 
     # -- per-IP ---------------------------------------------------------------------------
-    async def _decide_ip(self, windows: Windows, ip: str) -> Decision:
-        ids = ("ip", ip)
-        items = self._ip_items
+    async def _decide_ip(self, windows: Windows, msg: CheckIp) -> Decision:
+        if msg.kind == "failed":
+            failures = self._ip_items
+            if failures:
+                await _together(windows, *(windows.add(item, "ipfail", msg.ip, amount=1) for item in failures))
+            return _ALLOWED
+        if msg.kind == "peek":
+            return await self._peek_failures(windows, msg.ip)
+        ids = ("ip", msg.ip)
+        items = self._ip_all_items
+        if not items:
+            return _ALLOWED
         oks = await _together(windows, *(windows.hit(item, *ids) for item in items))
         if all(oks):
             return _ALLOWED
@@ -493,6 +512,20 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         return Decision(
             allowed=False, scope="ip", retry_after=reset_at - time.time(),
             message="too many requests from this address",
+        )
+
+    async def _peek_failures(self, windows: Windows, ip: str) -> Decision:
+        """Refused while ``ip``'s allowance of failed attempts is spent (nothing counted)."""
+        items = self._ip_items
+        if not items:
+            return _ALLOWED
+        stats = await _together(windows, *(windows.stats(item, "ipfail", ip) for item in items))
+        spent = [s for s in stats if s.remaining <= 0]
+        if not spent:
+            return _ALLOWED
+        return Decision(
+            allowed=False, scope="ip", retry_after=max(s.reset_time for s in spent) - time.time(),
+            message="too many failed or unauthenticated requests from this address",
         )
 
     def _settle_ip(self, decision: Decision) -> Decision:
@@ -820,16 +853,16 @@ def _copy_outcome(source: asyncio.Future[Decision], target: asyncio.Future[Decis
         target.set_result(source.result())
 
 
-def _ip_items(settings: RateLimitSettings) -> tuple[RateLimitItem, ...]:
-    """The flood guard's windows: the rate, and a burst allowance above it.
+def _ip_items(per_ip: str, per_ip_burst: int | None) -> tuple[RateLimitItem, ...]:
+    """A per-address guard's windows: the rate, and a burst allowance above it.
 
     With a burst B over R per period P: at most R+B in any one period, and at most
     10*R per 10*P, so bursts are absorbed while the average stays at R.
     """
-    if settings.per_ip == "off":
+    if per_ip == "off":
         return ()
-    rate = parse(settings.per_ip)
-    burst = rate.amount if settings.per_ip_burst is None else settings.per_ip_burst
+    rate = parse(per_ip)
+    burst = rate.amount if per_ip_burst is None else per_ip_burst
     if burst <= 0:
         return (rate,)
     period = rate.get_expiry()
@@ -894,11 +927,11 @@ class LimiterHandle:
         self._replica = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
 
-    async def check_ip(self, ip: str) -> None:
-        """The flood guard, before authentication and any database work."""
+    async def check_ip(self, ip: str, kind: str = "any") -> None:
+        """The per-address guard (see :class:`CheckIp` for ``kind``); RateLimited when refused."""
         if not self._actor.guards_ip:
             return
-        msg = CheckIp(ip)
+        msg = CheckIp(ip, kind)
         decision = self._actor.decide_now(msg)
         if decision is None:
             decision = await self._ref.ask(msg)

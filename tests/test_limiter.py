@@ -347,24 +347,46 @@ async def test_postgres_guarded_upsert_under_concurrency(db_pool: asyncpg.Pool, 
 
 
 async def test_per_ip_guard_with_and_without_burst(limiter_factory: Any) -> None:
+    # per_ip is the allowance of failed attempts: each attempt peeks, then fails.
     plain = await limiter_factory(per_ip="5/minute", per_ip_burst=0)
-    results = [await guard(plain.handle, "10.0.0.1") for _ in range(8)]
+    results = [await failed_attempt(plain.handle, "10.0.0.1") for _ in range(8)]
     assert results.count(None) == 5
     for refused in results[5:]:
         assert isinstance(refused, RateLimited)
         assert 1 <= int(error_response(refused).headers["Retry-After"]) <= 60
-    assert await guard(plain.handle, "10.0.0.2") is None  # another address has its own window
+    assert await failed_attempt(plain.handle, "10.0.0.2") is None  # another address has its own window
     bursty = await limiter_factory(per_ip="5/minute", per_ip_burst=3)
-    results = [await guard(bursty.handle, "10.0.0.1") for _ in range(10)]
+    results = [await failed_attempt(bursty.handle, "10.0.0.1") for _ in range(10)]
     assert results.count(None) == 8
     assert bursty.actor.rejections["ip"] == 2
-    off = await limiter_factory(per_ip="off")
+    off = await limiter_factory(per_ip="off", per_ip_all="off")
     assert not off.actor.guards_ip
 
 
-async def guard(handle: LimiterHandle, ip: str) -> RateLimited | None:
+async def failed_attempt(handle: LimiterHandle, ip: str) -> RateLimited | None:
+    """One request that would cost a key lookup and then fails authentication."""
+    refused = await guard(handle, ip, "peek")
+    if refused is None:
+        await handle.check_ip(ip, "failed")
+    return refused
+
+
+async def test_per_ip_all_caps_every_request_and_failures_do_not_spend_it(limiter_factory: Any) -> None:
+    limiter = await limiter_factory(per_ip="2/minute", per_ip_burst=0, per_ip_all="20/minute")
+    # Authenticated traffic never peeks at or spends the failure allowance.
+    results = [await guard(limiter.handle, "10.0.0.9") for _ in range(45)]
+    assert results.count(None) == 40  # 20 per minute plus a burst of 20
+    assert await guard(limiter.handle, "10.0.0.9", "peek") is None  # no failures yet
+    assert await failed_attempt(limiter.handle, "10.0.0.8") is None
+    assert await failed_attempt(limiter.handle, "10.0.0.8") is None
+    assert isinstance(await failed_attempt(limiter.handle, "10.0.0.8"), RateLimited)
+    assert await guard(limiter.handle, "10.0.0.8") is None  # cached keys from there still pass
+    assert limiter.actor.rejections["ip"] == 6
+
+
+async def guard(handle: LimiterHandle, ip: str, kind: str = "any") -> RateLimited | None:
     try:
-        await handle.check_ip(ip)
+        await handle.check_ip(ip, kind)
     except RateLimited as exc:
         return exc
     return None

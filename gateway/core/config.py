@@ -7,6 +7,7 @@ Both are parsed once at start-up into frozen dataclasses. Every problem raises
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -349,9 +350,15 @@ class RateLimitSettings:
     """
 
     storage: str | None = None
+    #: Unauthenticated and failed attempts per client address (the flood guard proper).
     per_ip: str = "100/second"
     strategy: str = "sliding-window"
     per_ip_burst: int | None = None
+    #: Every request per client address: a generous cap, so one backend or NAT with
+    #: valid keys is limited by its keys' own limits, not by its address.
+    per_ip_all: str = "10000/second"
+    #: CIDRs of proxies whose X-Forwarded-For / Forwarded names the client (e.g. nginx).
+    trusted_proxies: tuple[str, ...] = ()
     #: Prefix of every Redis key; replicas sharing windows must share it.
     key_prefix: str = "llmg"
 
@@ -619,14 +626,16 @@ def _rate_limits(rl: _Section) -> RateLimitSettings:
             "rate_limits.storage: expected memory://, redis://HOST:PORT/DB, postgres (the gateway's "
             "database) or postgresql://..."
         )
-    per_ip = rl.text("per_ip", "100/second")
-    if per_ip != "off":
+    per_ip = _ip_limit(rl, "per_ip", "100/second")
+    per_ip_all = _ip_limit(rl, "per_ip_all", "10000/second")
+    proxies_raw = rl.raw.get("trusted_proxies", []) or []
+    if not isinstance(proxies_raw, list) or not all(isinstance(p, str) for p in proxies_raw):
+        raise ConfigError("rate_limits.trusted_proxies: expected a list of CIDRs like '10.0.0.0/8'")
+    for cidr in proxies_raw:
         try:
-            valid = parse_limit(per_ip).amount >= 1 and not any(sep in per_ip for sep in ",;|")
+            ipaddress.ip_network(cidr, strict=False)
         except ValueError:
-            valid = False
-        if not valid:
-            raise ConfigError(f"rate_limits.per_ip: expected one limit like '100/second', or 'off'; got {per_ip!r}")
+            raise ConfigError(f"rate_limits.trusted_proxies: {cidr!r} is not an IP address or CIDR") from None
     key_prefix = rl.text("key_prefix", "llmg")
     if not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,64}", key_prefix):
         raise ConfigError("rate_limits.key_prefix: expected 1-64 letters, digits or ._:-")
@@ -636,7 +645,22 @@ def _rate_limits(rl: _Section) -> RateLimitSettings:
         strategy=rl.choice("strategy", "sliding-window", ("sliding-window", "fixed-window")),
         per_ip_burst=rl.num("per_ip_burst", None, integer=True),
         key_prefix=key_prefix,
+        per_ip_all=per_ip_all,
+        trusted_proxies=tuple(proxies_raw),
     )
+
+
+def _ip_limit(rl: _Section, key: str, default: str) -> str:
+    """One ``limits`` string like '100/second', or 'off'."""
+    value = rl.text(key, default)
+    if value != "off":
+        try:
+            valid = parse_limit(value).amount >= 1 and not any(sep in value for sep in ",;|")
+        except ValueError:
+            valid = False
+        if not valid:
+            raise ConfigError(f"rate_limits.{key}: expected one limit like '100/second', or 'off'; got {value!r}")
+    return str(value)
 
 
 def default_config(settings: Settings) -> GatewayConfig:
@@ -694,7 +718,7 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
     )
     rl = _Section(
         top.raw.get("rate_limits") or {}, "rate_limits",
-        ("storage", "per_ip", "strategy", "per_ip_burst", "key_prefix"),
+        ("storage", "per_ip", "strategy", "per_ip_burst", "key_prefix", "per_ip_all", "trusted_proxies"),
     )
     return GatewayConfig(
         providers=providers,
