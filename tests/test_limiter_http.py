@@ -304,3 +304,24 @@ def test_trusted_proxies_must_be_cidrs(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as caught:
             load_config(load_settings({"GATEWAY_CONFIG": str(config)}), {})
         assert str(caught.value).startswith("rate_limits.trusted_proxies"), caught.value
+
+
+def test_client_ip_reads_the_chain_from_the_right_and_keys_ipv6_by_64() -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway.edge.ratelimit import client_ip
+
+    def ip(remote: str, trusted: tuple[str, ...] = (), **headers: str) -> str:
+        request = make_mocked_request("GET", "/v1/models", headers=headers).clone(remote=remote)
+        return client_ip(request, trusted)
+
+    proxies = ("10.0.0.0/8",)
+    assert ip("192.0.2.1") == "192.0.2.1"
+    assert ip("192.0.2.1", proxies, **{"X-Forwarded-For": "203.0.113.9"}) == "192.0.2.1"  # untrusted peer
+    # A client-forged entry on the left does not win over what our proxies appended.
+    assert ip("10.0.0.2", proxies, **{"X-Forwarded-For": "1.2.3.4, 203.0.113.9, 10.0.0.7"}) == "203.0.113.9"
+    assert ip("10.0.0.2", proxies, Forwarded='for=198.51.100.4;proto=https, for="10.0.0.7:80"') == "198.51.100.4"
+    assert ip("10.0.0.2", proxies, Forwarded='for="[2001:db8:a:b::5]:443"') == "2001:db8:a:b::/64"
+    assert ip("10.0.0.2", proxies, **{"X-Forwarded-For": "unknown"}) == "10.0.0.2"
+    assert ip("2001:db8:1:2:3:4:5:6") == "2001:db8:1:2::/64"
+    assert ip("::ffff:192.0.2.8") == "192.0.2.8"
