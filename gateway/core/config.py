@@ -18,6 +18,7 @@ have always found them).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -332,6 +333,14 @@ def _per_ip(value: str) -> str:
     return value
 
 
+def _cidr(value: str) -> str:
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        raise problem(f"{value!r} is not an IP address or CIDR like '10.0.0.0/8'") from None
+    return value
+
+
 def _key_prefix(value: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,64}", value):
         raise problem("expected 1-64 letters, digits or ._:-")
@@ -348,9 +357,15 @@ class RateLimitSettings(_Section):
     """
 
     storage: Annotated[StrictStr, AfterValidator(_storage)] | None = None
+    #: Unauthenticated and failed attempts per client address (the flood guard proper).
     per_ip: Annotated[StrictStr, AfterValidator(_per_ip)] = "100/second"
     strategy: Literal["sliding-window", "fixed-window"] = "sliding-window"
     per_ip_burst: Annotated[StrictInt, Field(ge=0)] | None = None
+    #: Every request per client address: a generous cap, so one backend or NAT with
+    #: valid keys is limited by its keys' own limits, not by its address.
+    per_ip_all: Annotated[StrictStr, AfterValidator(_per_ip)] = "10000/second"
+    #: CIDRs of proxies whose X-Forwarded-For / Forwarded names the client (e.g. nginx).
+    trusted_proxies: tuple[Annotated[StrictStr, AfterValidator(_cidr)], ...] = ()
     #: Prefix of every Redis key; replicas sharing windows must share it.
     key_prefix: Annotated[StrictStr, AfterValidator(_key_prefix)] = "llmg"
 

@@ -413,6 +413,24 @@ class GatewayMetrics:
         """A semantic cache search's best similarity (the cache's similarity listener)."""
         self._similarity[hit].observe(similarity)
 
+    def watch_background_failures(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Read ``{task: failures}`` of the actors' background work at each scrape, for
+        ``gateway_background_failures_total`` (key_listen, spend_refresh, lease_renew,
+        lease_lost): each one means shared state (revocations, budgets, concurrency) may
+        be stale, so alert on any increase."""
+
+        def families() -> list[Metric]:
+            family = CounterMetricFamily(
+                "gateway_background_failures",
+                "Failures of background work that keeps shared state fresh, by task.",
+                labels=["task"],
+            )
+            for task, value in counts().items():
+                family.add_metric([task], value)
+            return [family]
+
+        self.watch(families)
+
     def watch(self, families: Callable[[], Iterable[Metric]]) -> None:
         """Add a reader of more metric families, called on the loop at each scrape."""
         self._readers.extra.append(families)
