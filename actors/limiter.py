@@ -336,8 +336,8 @@ class LimiterActor(Actor[CheckIp | Acquire]):
     def _describe(self) -> str:
         assert self._shared is not None and self._requests is not None
         return (
-            f"{describe_ip_guard(self._settings)}, counting unauthenticated and failed attempts; every request "
-            f"per address capped at {self._settings.per_ip_all}; tokens in {self._shared.name}, per-key requests in {self._requests.name} "
+            f"{describe_ip_guard(self._settings)}; the guard counts unauthenticated and failed attempts, "
+            f"every request per address is capped at {self._settings.per_ip_all}; tokens in {self._shared.name}, per-key requests in {self._requests.name} "
             f"({self._requests.primary.strategy.__class__.__name__}), concurrency in "
             f"{'redis' if self._redis is not None else 'memory'}"
         )
