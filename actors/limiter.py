@@ -853,6 +853,15 @@ class LimiterHandle:
         self._replica = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
 
+    def apply_ip_guard(self, settings: RateLimitSettings) -> None:
+        """A config reload's ``per_ip`` / ``per_ip_burst``, effective for the next request.
+
+        Two immutable values replaced in one step on the event loop, read by the actor
+        and by memory decisions alike; the windows already counted are kept.
+        """
+        self._actor._ip_items = _ip_items(settings)
+        self._actor.guards_ip = bool(self._actor._ip_items)
+
     async def check_ip(self, ip: str) -> None:
         """The flood guard, before authentication and any database work."""
         if not self._actor.guards_ip:

@@ -69,6 +69,7 @@ __all__ = [
     "Settings",
     "load_config",
     "load_settings",
+    "parse_config",
 ]
 
 ProviderType = Literal["openai", "anthropic", "mock"]
@@ -463,12 +464,26 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
     """
     if settings.config_path is None:
         return default_config(settings)
-    env = os.environ if environ is None else environ
     try:
-        raw = yaml.safe_load(settings.config_path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+        text = settings.config_path.read_text()
+    except OSError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"{settings.config_path}: {first}") from None
+    return parse_config(text, settings.config_path, environ)
+
+
+def parse_config(text: str, source: Path, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """The config file's ``text`` (read from ``source``) as a GatewayConfig.
+
+    Split from :func:`load_config` so a reload validates exactly the bytes it hashes.
+    Raises ConfigError as :func:`load_config` does.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{source}: {first}") from None
     key_files: dict[str, Path] = {}
     raw = _interpolate(raw, env, "", key_files)
     try:

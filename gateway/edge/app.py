@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from actors.auth import AuthActor, AuthHandle
 from actors.billing import BillingActor, BillingHandle
@@ -22,17 +23,18 @@ from actors.cache import start_cache
 from actors.limiter import LimiterActor, LimiterHandle
 from actors.runtime import Supervisor
 from gateway.admin import cache as cache_admin
+from gateway.admin import config as config_admin
 from gateway.admin import routes as admin
 from gateway.auth.keys import KeyStore
-from gateway.core.config import ConfigError, GatewayConfig, Settings
+from gateway.core.config import GatewayConfig, Settings
 from gateway.core.db import connect_pool, migrate
 from gateway.edge import chat, dataplane, openapi, ratelimit, telemetry
+from gateway.edge.reload import ConfigReloader, ProviderPools, default_source
 from gateway.http.admission import ADMISSION, AdmissionGate, admission_middleware, default_max_in_flight
 from gateway.http.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
 from gateway.http.middleware import error_middleware, security_headers
 from gateway.http.state import STATE, GatewayState
 from gateway.observability.tracing import Tracing
-from gateway.providers import Provider, build_provider
 from gateway.relay.retry import RetryPolicy
 from gateway.relay.routing import Router
 
@@ -55,16 +57,6 @@ MANAGEMENT_HEADERS = {
 }
 
 
-def _providers(config: GatewayConfig, session: aiohttp.ClientSession, settings: Settings) -> dict[str, Provider]:
-    built: dict[str, Provider] = {}
-    for name, provider_config in config.providers.items():
-        try:
-            built[name] = build_provider(provider_config, session, request_timeout=settings.request_timeout)
-        except ValueError as exc:
-            raise ConfigError(f"providers.{name}.type: {exc}") from None
-    return built
-
-
 @contextlib.asynccontextmanager
 async def gateway_state(
     settings: Settings, config: GatewayConfig, dsn: str, *, run_migrations: bool = True
@@ -75,6 +67,7 @@ async def gateway_state(
     session: aiohttp.ClientSession | None = None
     supervisor = Supervisor()
     embedder = None
+    pools = ProviderPools(settings)
     try:
         if run_migrations:
             async with pool.acquire() as conn:
@@ -90,9 +83,12 @@ async def gateway_state(
         breaker_ref = await supervisor.start(breaker_actor)
         limiter_actor = LimiterActor(config.rate_limits, redis_url=settings.redis_url, pool=pool)
         limiter_ref = await supervisor.start(limiter_actor)
-        providers = _providers(config, session, settings)
-        router = Router(config)
+        providers = pools.build(config)
+        router = Router(config, providers=providers)
         cache, embedder = await start_cache(supervisor, config, settings.redis_url, providers, router, pool=pool)
+        if embedder is not None and config.cache.semantic.embedder != "local":
+            # The cache's embedder holds this provider for the process's life: never closed by a reload.
+            pools.pinned.add(id(providers[router.resolve(config.cache.semantic.embedder).targets[0].provider]))
         state = GatewayState(
             settings=settings,
             config=config,
@@ -111,7 +107,10 @@ async def gateway_state(
             limiter=LimiterHandle(limiter_actor, limiter_ref),
             call_listeners=[billing.record],
             cache=cache,
+            config_source=default_source(settings),
+            provider_pools=pools,
         )
+        state.reload_config = ConfigReloader(state, pools)
         # Last, so the metrics listener runs after billing's (which may price the call).
         telemetry.install(state)
         yield state
@@ -120,9 +119,15 @@ async def gateway_state(
         await tracing.shutdown()
         if embedder is not None:
             embedder.close()
+        await pools.close_all()
         if session is not None:
             await session.close()
         await pool.close()
+
+
+def _generation_pin(state: GatewayState) -> list[Middleware]:
+    """The middleware pinning each request to its config generation (see reload.py)."""
+    return [] if state.provider_pools is None else [state.provider_pools.middleware()]
 
 
 def build_data_app(state: GatewayState) -> web.Application:
@@ -139,7 +144,7 @@ def build_data_app(state: GatewayState) -> web.Application:
     app = web.Application(
         middlewares=[
             telemetry.observe, cors.middleware, admission_middleware(gate), error_middleware,
-            ratelimit.ratelimit_middleware,
+            ratelimit.ratelimit_middleware, *_generation_pin(state),
         ],
         client_max_size=state.settings.body_limit + 1024,
     )
@@ -186,4 +191,5 @@ def build_management_app(
     app.router.add_get("/openapi.json", openapi.document_handler(openapi.management_document()))
     admin.add_admin_routes(app.router)
     cache_admin.add_routes(app)
+    config_admin.add_routes(app)
     return app

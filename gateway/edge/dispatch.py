@@ -115,9 +115,10 @@ async def embed(
 
 async def _run(call: _Call, state: GatewayState, route: Route, record: CallRecord) -> tuple[Target, UpstreamReply]:
     chain: list[tuple[str | None, Route]] = [(None, route)]
+    router = route.router or state.router  # the call's own config generation, even mid-reload
     for name in route.group.fallbacks:
         try:
-            chain.append((name, state.router.resolve(name)))
+            chain.append((name, router.resolve(name)))
         except GatewayError:
             continue  # config validation keeps this from happening
     record.upstream_started_at = started = time.monotonic()
@@ -158,10 +159,11 @@ class _Call:
     async def run(self, chain: list[tuple[str | None, Route]]) -> tuple[Target, UpstreamReply]:
         seen: set[tuple[str, str]] = set()
         for link, (fallback_model, route) in enumerate(chain):
-            ordered = self.state.router.order(route, self.breaker.view, stream=self.stream)
+            router = route.router or self.state.router
+            ordered = router.order(route, self.breaker.view, stream=self.stream)
             if self.embeddings:
                 # e.g. an Anthropic deployment in the group: passed over, not a failure.
-                providers = self.state.providers
+                providers = _providers_of(self.state, route)
                 ordered = [t for t in ordered if providers[t.provider].serves_embeddings]
             for index, target in enumerate(ordered):
                 key = (target.deployment.id, target.upstream_model)
@@ -170,7 +172,7 @@ class _Call:
                 seen.add(key)
                 self.capable += 1
                 more = index + 1 < len(ordered) or link + 1 < len(chain)
-                reply = await self._try(target, route.group, fallback_model, more=more)
+                reply = await self._try(target, route, fallback_model, more=more)
                 if reply is not None:
                     return target, reply
         return self._give_up()
@@ -193,12 +195,12 @@ class _Call:
         raise UpstreamUnavailable(f"upstream unavailable: {self.last_error}")
 
     async def _try(
-        self, target: Target, group: ModelGroup, fallback_model: str | None, *, more: bool
+        self, target: Target, route: Route, fallback_model: str | None, *, more: bool
     ) -> UpstreamReply | None:
         """Attempts on one target; the reply to return, or None to move on."""
-        state, breaker, record = self.state, self.breaker, self.record
+        state, breaker, record, group = self.state, self.breaker, self.record, route.group
         deployment = target.deployment.id
-        provider = state.providers[target.provider]
+        provider = _providers_of(state, route)[target.provider]
         timeouts = timeouts_for(group, provider)
         max_retries = state.retry_policy.retries_for(provider.config)
         body = self.body
@@ -285,6 +287,13 @@ class _Call:
             record.retries += 1
             telemetry.retried(state, target.provider, attempt, reason)
             await asyncio.sleep(delay)
+
+
+def _providers_of(state: GatewayState, route: Route) -> Mapping[str, Provider]:
+    """The providers of the config generation that resolved ``route`` (see gateway/edge/reload.py)."""
+    if route.router is not None and route.router.providers:
+        return route.router.providers
+    return state.providers
 
 
 def _left_behind(

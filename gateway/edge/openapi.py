@@ -24,11 +24,13 @@ from aiohttp import web
 from gateway.admin.cache import KEY_PATTERN, MAX_GROUP_LEN
 from gateway.admin.input import BODIES, QUERIES
 from gateway.edge.openapi_shapes import (
+    ACTIVE_CONFIG,
     AUDIT_ENTRY,
     CACHE_PURGED,
     CACHE_STATS,
     CHAT_EVENT,
     CHAT_REQUEST,
+    CONFIG_SOURCE,
     EMBEDDINGS_REQUEST,
     ERROR_SCHEMA,
     HEALTH,
@@ -38,6 +40,7 @@ from gateway.edge.openapi_shapes import (
     NEW_KEY,
     PROVIDERS,
     READY,
+    RELOAD_OUTCOME,
     ROTATED_KEY,
     SUBJECT_BUDGET,
     USAGE_REPORT,
@@ -207,6 +210,19 @@ def management_document() -> dict[str, Any]:
                 "listProviders", "Providers and deployments with circuit state, latency and error rate",
                 {"200": json_body(ref("Providers"), "providers and deployments")},
             )},
+            "/admin/config": {"get": _admin_op(
+                "showConfig", "The active config: source, hash, load time, last reload; secrets masked",
+                {"200": json_body(ref("ActiveConfig"), "the active config"), **_BAD_REQUEST},
+            )},
+            "/admin/config/reload": {"post": _admin_op(
+                "reloadConfig", "Re-read GATEWAY_CONFIG and swap it in (as SIGHUP does); every worker too",
+                {
+                    "200": json_body(ref("ReloadOutcome"), "applied"),
+                    "422": error("the file was refused, nothing changed (invalid_config)"),
+                    "503": error("a worker did not confirm the reload (reload_incomplete)"),
+                    **_BAD_REQUEST,
+                },
+            )},
             "/admin/cache": {
                 "get": _admin_op(
                     "cacheStats", "Response cache: entries and bytes held, counters, per-group policies",
@@ -236,6 +252,7 @@ def management_document() -> dict[str, Any]:
                 "AuditEntry": AUDIT_ENTRY, "AuditList": list_of(ref("AuditEntry"), {"type": "integer"}),
                 "UsageReport": USAGE_REPORT, "Providers": PROVIDERS,
                 "CacheStats": CACHE_STATS, "CachePurged": CACHE_PURGED,
+                "ConfigSource": CONFIG_SOURCE, "ReloadOutcome": RELOAD_OUTCOME, "ActiveConfig": ACTIVE_CONFIG,
             },
         },
     }

@@ -18,7 +18,10 @@ from gateway.admin.input import GROUP_BYS
 from gateway.auth.keys import BUDGET_PERIODS, KEY_STATES
 
 __all__ = [
+    "ACTIVE_CONFIG",
     "AUDIT_ENTRY",
+    "CONFIG_SOURCE",
+    "RELOAD_OUTCOME",
     "CACHE_PURGED",
     "CACHE_STATS",
     "CHAT_EVENT",
@@ -263,6 +266,37 @@ CACHE_PURGED = {
         "type": "object", "required": ["memory", "shared"],
         "properties": {"memory": {"type": "integer", "minimum": 0}, "shared": {"type": "integer", "minimum": -1}},
     }},
+}
+
+CONFIG_SOURCE = {
+    "type": "object",
+    "required": ["source", "hash", "loaded_at", "generation"],
+    "properties": {
+        "source": {"type": "string", "description": "the GATEWAY_CONFIG file, or 'default'"},
+        "hash": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
+        "loaded_at": {"type": "number", "description": "Unix time"},
+        "generation": {"type": "integer", "minimum": 1},
+    },
+}
+RELOAD_OUTCOME = {
+    "type": "object",
+    "required": ["ok", "trigger", "at", "error", "changed", "needs_restart", "active"],
+    "properties": {
+        "ok": {"type": "boolean"}, "trigger": {"enum": ["admin", "sighup"]}, "at": {"type": "number"},
+        "error": nullable({"type": "string"}), "changed": {"type": "boolean"},
+        "needs_restart": {"type": "array", "items": {"type": "string"}},
+        "active": {"$ref": "#/components/schemas/ConfigSource"},
+        "workers": {"type": "array", "items": {"type": "object"}},
+    },
+}
+ACTIVE_CONFIG = {
+    "type": "object",
+    "required": ["active", "last_reload", "config"],
+    "properties": {
+        "active": {"$ref": "#/components/schemas/ConfigSource"},
+        "last_reload": nullable({"$ref": "#/components/schemas/ReloadOutcome"}),
+        "config": {"type": "object", "description": "the config file's content, secrets masked"},
+    },
 }
 
 # ----------------------------------------------------------------------- data plane

@@ -23,6 +23,7 @@ from gateway.auth.keys import DEV_KEY, KeyStore
 from gateway.core.config import GatewayConfig, Settings
 from gateway.core.db import embedded_database_url
 from gateway.edge.app import DATA_SERVER_OPTIONS, build_data_app, build_management_app, gateway_state
+from gateway.edge.reload import install_sighup
 from gateway.http.admission import ADMISSION, AdmissionGate, raise_open_file_limit
 from gateway.observability.logfilters import install_log_filters
 
@@ -108,6 +109,7 @@ async def _serve_until_stopped(
     worker_socket: str | None, stop: asyncio.Event, serving: asyncio.Event, runners: list[web.AppRunner],
 ) -> None:
     async with gateway_state(settings, config, dsn, run_migrations=migrate) as state:
+        install_sighup(asyncio.get_running_loop(), state)
         if embedded:
             if await KeyStore(state.pool).ensure(DEV_KEY, "development"):
                 print(f"seeded development key: {DEV_KEY}", flush=True)

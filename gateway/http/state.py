@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,6 +13,7 @@ from aiohttp import web
 from actors.runtime import Supervisor
 from gateway.auth.keys import KeyStore
 from gateway.core.config import GatewayConfig, Settings
+from gateway.core.config_source import ConfigSource, ReloadOutcome
 from gateway.core.usage import CallRecord
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Tracing
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from actors.breaker import BreakerHandle, DeploymentStatus
     from actors.cache import CacheHandle
     from actors.limiter import LimiterHandle
+    from gateway.edge.reload import ProviderPools
 
 __all__ = ["STATE", "GatewayState"]
 
@@ -57,6 +59,15 @@ class GatewayState:
     tracing: Tracing = field(default_factory=Tracing)
     #: The response cache (see actors/cache.py); None only in states built without it.
     cache: CacheHandle | None = None
+    #: The active config's source, hash and load time (``GET /admin/config``).
+    config_source: ConfigSource | None = None
+    #: How the last reload went (None: none since start-up).
+    last_reload: ReloadOutcome | None = None
+    #: Re-reads GATEWAY_CONFIG and swaps it in (gateway/edge/reload.py); the argument
+    #: says what asked (``admin``, ``sighup``). None in states built without a reloader.
+    reload_config: Callable[[str], Awaitable[ReloadOutcome]] | None = None
+    #: The providers' connection pools per config generation (gateway/edge/reload.py).
+    provider_pools: ProviderPools | None = None
 
     def deployment_health(self) -> list[DeploymentStatus]:
         """Every configured deployment with circuit state, recent latency and error rate,
