@@ -61,6 +61,7 @@ __all__ = [
     "ConfigError",
     "Deployment",
     "GatewayConfig",
+    "HealthCheck",
     "ModelGroup",
     "Price",
     "ProviderConfig",
@@ -139,6 +140,19 @@ def _header_items(value: Any) -> Any:
 
 
 @dataclass(frozen=True, config=SHAPE)
+class HealthCheck(_Section):
+    """``providers.NAME.health_check``: probe the provider's model list (``GET /models``),
+    never billed, and keep its deployments out of routing while it fails (docs/operations.md)."""
+
+    interval: Seconds = Field(default=10.0, validation_alias="interval_seconds")
+    timeout: Seconds = Field(default=2.0, validation_alias="timeout_seconds")
+    #: Consecutive failed probes that mark the provider unhealthy.
+    unhealthy_after: Annotated[StrictInt, Field(ge=1)] = 2
+    #: Consecutive good probes that mark it healthy again.
+    healthy_after: Annotated[StrictInt, Field(ge=1)] = 1
+
+
+@dataclass(frozen=True, config=SHAPE)
 class ProviderConfig(_Section):
     """One upstream account (``providers.NAME``): how to reach it and how patient to be with it."""
 
@@ -162,10 +176,14 @@ class ProviderConfig(_Section):
     #: Where ``api_key`` was read from, if a file: providers re-read it when it changes,
     #: so a rotated key takes effect without a restart (gateway/providers/credentials.py).
     api_key_file: Path | None = None
+    #: Active health probes; None (the default) means none: only real calls judge it.
+    health_check: HealthCheck | None = None
 
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
         data = _drop_nulls(data, "headers", "api_key_file")
+        if data.get("health_check") is True:
+            data["health_check"] = {}  # ``health_check: true``: every default
         if data.get("type", "openai") == "anthropic" and data.get("base_url") is None:
             data["base_url"] = ANTHROPIC_BASE_URL
         key_file = data.get("api_key_file")

@@ -21,6 +21,7 @@ from actors.billing import BillingActor, BillingHandle
 from actors.breaker import BreakerActor, BreakerHandle
 from actors.cache import start_cache
 from actors.limiter import LimiterActor, LimiterHandle
+from actors.prober import ProberActor, ProberHandle
 from actors.runtime import Supervisor
 from gateway.admin import cache as cache_admin
 from gateway.admin import config as config_admin
@@ -84,6 +85,9 @@ async def gateway_state(
         limiter_actor = LimiterActor(config.rate_limits, redis_url=settings.redis_url, pool=pool)
         limiter_ref = await supervisor.start(limiter_actor)
         providers = pools.build(config)
+        prober_actor = ProberActor()
+        probes = ProberHandle(prober_actor, await supervisor.start(prober_actor))
+        probes.watch(providers)
         router = Router(config, providers=providers)
         cache, embedder = await start_cache(supervisor, config, settings.redis_url, providers, router, pool=pool)
         if embedder is not None and config.cache.semantic.embedder != "local":
@@ -109,8 +113,10 @@ async def gateway_state(
             cache=cache,
             config_source=default_source(settings),
             provider_pools=pools,
+            probes=probes,
         )
         state.reload_config = ConfigReloader(state, pools)
+        state.metrics.watch_health_checks(lambda: {name: s.healthy for name, s in probes.view.items()})
         # Last, so the metrics listener runs after billing's (which may price the call).
         telemetry.install(state)
         yield state

@@ -15,6 +15,8 @@ the group's ``fallbacks`` (model names, resolved like a client's, one level deep
   the provider's ``retry_on_timeout`` allows; a connection that never opened always is.
 * A 429 cools its deployment for its Retry-After and moves on at once; only the last
   candidate waits it out.
+* A provider whose active health probes fail (``health_check:``, actors/prober.py) is
+  passed over like an open circuit, before any call of a user reaches it.
 * Nothing attempted because every circuit is open or cooling: 503 ``circuit_open`` with
   the shortest wait as Retry-After.
 
@@ -206,6 +208,10 @@ class _Call:
         body = self.body
         if body.get("model") != target.upstream_model:
             body = {**body, "model": target.upstream_model}
+        probes = state.probes
+        if probes is not None and not probes.healthy(target.provider):
+            self._skip(probes.retry_after(target.provider))  # its health probes fail: not a user's call
+            return None
         attempt = 0
         while True:
             token = 0

@@ -215,6 +215,17 @@ PROVIDERS = {
             "properties": {
                 "name": {"type": "string"}, "type": {"type": "string"},
                 "base_url": {"type": ["string", "null"], "description": "without credentials"},
+                "health_check": nullable({
+                    "type": "object", "description": "active health probes (null: none configured)",
+                    "properties": {
+                        "healthy": {"type": "boolean"}, "consecutive_failures": {"type": "integer"},
+                        "consecutive_successes": {"type": "integer"}, "probes": {"type": "integer"},
+                        "last_checked": nullable({"type": "number"}),
+                        "last_latency_seconds": nullable({"type": "number"}),
+                        "last_error": nullable({"type": "string"}),
+                        "interval_seconds": {"type": "number"}, "timeout_seconds": {"type": "number"},
+                    },
+                }),
             },
         }},
         "deployments": {"type": "array", "items": {
@@ -225,6 +236,7 @@ PROVIDERS = {
             ],
             "properties": {
                 "id": {"type": "string", "description": "provider/model"},
+                "healthy": {"type": "boolean", "description": "false while its provider's health probes fail"},
                 "provider": {"type": "string"},
                 "model": {"type": "string"},
                 "model_groups": {"type": "array", "items": {

@@ -253,6 +253,8 @@ class ConfigReloader:
         state.limiter.apply_ip_guard(config.rate_limits)
         if state.cache is not None:
             state.cache.apply_config(config)
+        if state.probes is not None:
+            state.probes.watch(providers)
         self._pools.retire(old_providers, providers)
         return ReloadOutcome(
             True, trigger, now, source, changed=digest != active.hash,

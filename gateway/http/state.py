@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from actors.breaker import BreakerHandle, DeploymentStatus
     from actors.cache import CacheHandle
     from actors.limiter import LimiterHandle
+    from actors.prober import ProberHandle
     from gateway.edge.reload import ProviderPools
 
 __all__ = ["STATE", "GatewayState"]
@@ -66,6 +67,8 @@ class GatewayState:
     #: Re-reads GATEWAY_CONFIG and swaps it in (gateway/edge/reload.py); the argument
     #: says what asked (``admin``, ``sighup``). None in states built without a reloader.
     reload_config: Callable[[str], Awaitable[ReloadOutcome]] | None = None
+    #: Active health checks of the providers that opt in (actors/prober.py).
+    probes: ProberHandle | None = None
     #: The providers' connection pools per config generation (gateway/edge/reload.py).
     provider_pools: ProviderPools | None = None
 

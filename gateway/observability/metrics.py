@@ -363,6 +363,22 @@ class GatewayMetrics:
         child = self._auth_failures.get(reason) or self._auth_failures["unknown"]
         child.inc()
 
+    def watch_health_checks(self, healthy: Callable[[], Mapping[str, bool]]) -> None:
+        """Read ``{provider: healthy}`` of the actively probed providers at each scrape
+        for ``gateway_provider_healthy`` (1 healthy, 0 unhealthy)."""
+
+        def families() -> list[Metric]:
+            family = GaugeMetricFamily(
+                "gateway_provider_healthy",
+                "Active health check of a provider (1 healthy, 0 its probes fail); only providers with health_check.",
+                labels=["provider"],
+            )
+            for provider, ok in healthy().items():
+                family.add_metric([provider], 1.0 if ok else 0.0)
+            return [family]
+
+        self.watch(families)
+
     def config_reloaded(self, ok: bool, loaded_at: float) -> None:
         """Count one reload attempt; ``loaded_at`` is the active config's load time."""
         self.config_reloads.labels("applied" if ok else "refused").inc()

@@ -10,7 +10,8 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``POST /v1/messa
 and ``GET /v1/models``.  Failures are scripted through ``POST /_fake/script``
 (``{"steps": [step, ...]}``, a FIFO popped by each chat or messages request;
 ``DELETE`` clears it); ``GET /_fake/stats`` reports what was received and
-``POST /_fake/reset`` zeroes stats and script.  A step may hold ``status``
+``POST /_fake/reset`` zeroes stats and script; ``POST /_fake/models`` sets the status
+(and delay) of ``GET /v1/models``, for health probes.  A step may hold ``status``
 (with ``retry_after``), ``delay_ms``, ``hang``, ``cut_after_chunks``, ``garbage``
 (``"json"``, ``"content_type"`` or ``"huge_line"``, whose size ``line_bytes`` sets),
 ``chunks`` and ``chunk_delay_ms``.  Requests to ``/_fake/*`` are not counted in the stats.
@@ -105,6 +106,10 @@ class FakeState:
     last_path: str | None = None
     last_headers: CIMultiDictProxy[str] | None = None
     last_body: bytes = b""
+    #: Set by ``POST /_fake/models``: the status ``GET /v1/models`` answers (200: the
+    #: list) and a delay before it, so a health probe can be failed and healed.
+    models_status: int = 200
+    models_delay_ms: int = 0
 
     def reset(self) -> None:
         """Zero the statistics and clear the script (the id counter keeps going)."""
@@ -119,6 +124,8 @@ class FakeState:
         self.last_path = None
         self.last_headers = None
         self.last_body = b""
+        self.models_status = 200
+        self.models_delay_ms = 0
 
     async def record(self, request: web.Request) -> bytes:
         """Count ``request``, remember it as the last one and return its body."""
@@ -466,7 +473,25 @@ async def _models(request: web.Request) -> web.StreamResponse:
     await state.record(request)
     if not _OPENAI.authorized(request, state.config.require_key):
         return _OPENAI.unauthorized()
+    if state.models_delay_ms:
+        await asyncio.sleep(state.models_delay_ms / 1000)
+    if state.models_status != 200:
+        return _OPENAI.error(state.models_status, "model list unavailable (scripted)", "server_error", None)
     return _json(models_list(created=1_700_000_000))
+
+
+async def _models_behaviour(request: web.Request) -> web.StreamResponse:
+    """``POST /_fake/models`` ``{"status": 503, "delay_ms": 0}``: how the model list answers
+    from now on (``{"status": 200}`` heals it)."""
+    state = request.app[STATE_KEY]
+    body = _loads(await request.read())
+    if not isinstance(body, dict):
+        return _json({"error": "expected a JSON object"}, 400)
+    status, delay = body.get("status", 200), body.get("delay_ms", 0)
+    if not (isinstance(status, int) and 100 <= status <= 599) or not (isinstance(delay, int) and delay >= 0):
+        return _json({"error": "status must be an HTTP status, delay_ms a non-negative integer"}, 400)
+    state.models_status, state.models_delay_ms = status, delay
+    return _json({"status": status, "delay_ms": delay})
 
 
 async def _script_add(request: web.Request) -> web.StreamResponse:
@@ -518,6 +543,7 @@ def make_app(config: FakeConfig | None = None) -> web.Application:
     app.router.add_delete("/_fake/script", _script_clear)
     app.router.add_get("/_fake/stats", _stats)
     app.router.add_post("/_fake/reset", _reset)
+    app.router.add_post("/_fake/models", _models_behaviour)
     return app
 
 
