@@ -74,7 +74,7 @@ __all__ = [
 ]
 
 ProviderType = Literal["openai", "anthropic", "mock"]
-Strategy = Literal["priority", "weighted", "least-latency", "least-cost"]
+Strategy = Literal["priority", "weighted", "least-latency", "least-cost", "least-busy"]
 CacheMode = Literal["exact", "semantic"]  # semantic falls back to exact first
 CacheScope = Literal["key", "subject", "global"]  # who may be served a stored answer
 PROVIDER_TYPES: tuple[str, ...] = get_args(ProviderType)
@@ -222,6 +222,10 @@ class Deployment(_Section):
     priority: Annotated[StrictInt, Field(ge=-(2**31))] = 0
     weight: Annotated[Number, Field(ge=0)] = 1.0
     price: Price | None = None
+    #: The provider's quota for this deployment, per minute, counted across replicas
+    #: (gateway/relay/headroom.py): a deployment out of room is skipped, not sent a 429.
+    rpm: Annotated[StrictInt, Field(ge=1)] | None = None
+    tpm: Annotated[StrictInt, Field(ge=1)] | None = None
 
     @property
     def id(self) -> str:

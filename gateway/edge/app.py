@@ -8,6 +8,7 @@ down in reverse (actors stop last-started first).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +30,7 @@ from gateway.admin import routes as admin
 from gateway.auth.keys import KeyStore
 from gateway.core.config import GatewayConfig, Settings
 from gateway.core.db import connect_pool, migrate
+from gateway.core.usage import CallRecord
 from gateway.edge import chat, dataplane, openapi, ratelimit, telemetry
 from gateway.edge.reload import ConfigReloader, ProviderPools, default_source
 from gateway.http.admission import ADMISSION, AdmissionGate, admission_middleware, default_max_in_flight
@@ -36,6 +38,7 @@ from gateway.http.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, Co
 from gateway.http.middleware import error_middleware, security_headers
 from gateway.http.state import STATE, GatewayState
 from gateway.observability.tracing import Tracing
+from gateway.relay.headroom import DeploymentLimits
 from gateway.relay.retry import RetryPolicy
 from gateway.relay.routing import Router
 
@@ -58,6 +61,33 @@ MANAGEMENT_HEADERS = {
 }
 
 
+def _shared_store(settings: Settings, config: GatewayConfig) -> str | None:
+    """Redis for per-deployment rpm/tpm when the gateway has one (so replicas count
+    together), unless ``rate_limits.storage`` pins windows to memory."""
+    storage = config.rate_limits.storage
+    if storage is not None and storage.startswith(("redis://", "rediss://", "async+redis")):
+        return storage
+    if storage is not None and storage.startswith("memory"):
+        return None
+    return settings.redis_url
+
+
+def _tokens_to_deployment_limits(limits: DeploymentLimits) -> Callable[[CallRecord], None]:
+    """A call listener: a finished call's tokens count toward its deployment's ``tpm``."""
+    pending: set[asyncio.Task[None]] = set()
+
+    def charge(record: CallRecord) -> None:
+        if not limits.charges_tokens(record.deployment) or record.deployment is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            limits.charge_tokens(record.deployment, record.usage.total_tokens)
+        )
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    return charge
+
+
 @contextlib.asynccontextmanager
 async def gateway_state(
     settings: Settings, config: GatewayConfig, dsn: str, *, run_migrations: bool = True
@@ -69,6 +99,7 @@ async def gateway_state(
     supervisor = Supervisor()
     embedder = None
     pools = ProviderPools(settings)
+    deployment_limits: DeploymentLimits | None = None
     try:
         if run_migrations:
             async with pool.acquire() as conn:
@@ -85,6 +116,9 @@ async def gateway_state(
         limiter_actor = LimiterActor(config.rate_limits, redis_url=settings.redis_url, pool=pool)
         limiter_ref = await supervisor.start(limiter_actor)
         providers = pools.build(config)
+        deployment_limits = DeploymentLimits(
+            redis_url=_shared_store(settings, config), key_prefix=config.rate_limits.key_prefix
+        )
         prober_actor = ProberActor()
         probes = ProberHandle(prober_actor, await supervisor.start(prober_actor))
         probes.watch(providers)
@@ -114,14 +148,18 @@ async def gateway_state(
             config_source=default_source(settings),
             provider_pools=pools,
             probes=probes,
+            deployment_limits=deployment_limits,
         )
         state.reload_config = ConfigReloader(state, pools)
         state.metrics.watch_health_checks(lambda: {name: s.healthy for name, s in probes.view.items()})
+        state.call_listeners.append(_tokens_to_deployment_limits(deployment_limits))
         # Last, so the metrics listener runs after billing's (which may price the call).
         telemetry.install(state)
         yield state
     finally:
         await supervisor.stop()
+        if deployment_limits is not None:
+            await deployment_limits.close()
         await tracing.shutdown()
         if embedder is not None:
             embedder.close()

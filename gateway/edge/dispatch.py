@@ -15,6 +15,9 @@ the group's ``fallbacks`` (model names, resolved like a client's, one level deep
   the provider's ``retry_on_timeout`` allows; a connection that never opened always is.
 * A 429 cools its deployment for its Retry-After and moves on at once; only the last
   candidate waits it out.
+* A deployment at its own ``rpm`` / ``tpm``, or whose provider reported nothing left
+  (``x-ratelimit-remaining-*``), is passed over before it can answer 429
+  (:mod:`gateway.relay.headroom`); when every one is, 429 ``rate_limit_exceeded``.
 * A provider whose active health probes fail (``health_check:``, actors/prober.py) is
   passed over like an open circuit, before any call of a user reaches it.
 * Nothing attempted because every circuit is open or cooling: 503 ``circuit_open`` with
@@ -42,7 +45,14 @@ import orjson
 
 from actors.breaker import DEFAULT_COOLDOWN_SECONDS, Admission, BreakerHandle, Outcome
 from gateway.core.config import ModelGroup
-from gateway.core.errors import CircuitOpen, GatewayError, ModelNotFound, UpstreamTimeout, UpstreamUnavailable
+from gateway.core.errors import (
+    CircuitOpen,
+    GatewayError,
+    ModelNotFound,
+    RateLimited,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from gateway.core.usage import CallRecord
 from gateway.edge import telemetry
 from gateway.http.state import GatewayState
@@ -135,7 +145,7 @@ class _Call:
 
     __slots__ = (
         "attempted", "body", "breaker", "capable", "embeddings", "headers", "last_error", "last_reply",
-        "last_target", "record", "state", "stream", "wait",
+        "last_target", "limited", "record", "state", "stream", "wait",
     )
 
     def __init__(
@@ -157,12 +167,19 @@ class _Call:
         self.last_reply: UpstreamReply | None = None
         self.last_target: Target | None = None
         self.wait: float | None = None
+        #: A target was skipped for its rpm/tpm (all skipped: 429, not 503).
+        self.limited = False
 
     async def run(self, chain: list[tuple[str | None, Route]]) -> tuple[Target, UpstreamReply]:
         seen: set[tuple[str, str]] = set()
         for link, (fallback_model, route) in enumerate(chain):
             router = route.router or self.state.router
-            ordered = router.order(route, self.breaker.view, stream=self.stream)
+            limits = self.state.deployment_limits
+            headroom = (
+                limits.snapshot([t.deployment for t in route.targets])
+                if limits is not None and route.group.strategy == "least-busy" else None
+            )
+            ordered = router.order(route, self.breaker.view, stream=self.stream, headroom=headroom)
             if self.embeddings:
                 # e.g. an Anthropic deployment in the group: passed over, not a failure.
                 providers = _providers_of(self.state, route)
@@ -186,6 +203,12 @@ class _Call:
         record = self.record
         if self.embeddings and self.capable == 0:
             raise ModelNotFound(f"no deployment of model {record.requested_model!r} serves embeddings")
+        if self.attempted == 0 and self.limited:
+            # Every deployment is at its own quota: the client's retry after this succeeds.
+            raise RateLimited(
+                f"every deployment of model {record.requested_model!r} is at its rate limit",
+                retry_after=max(1.0, self.wait or 1.0),
+            )
         if self.attempted == 0:
             raise CircuitOpen(
                 f"no healthy deployment for model {record.requested_model!r}", retry_after=self.wait or 1.0
@@ -226,6 +249,15 @@ class _Call:
                 if not permission.granted:
                     self._skip(permission.retry_after)
                     return None
+            limits = state.deployment_limits
+            if limits is not None:
+                room = await limits.take(target.deployment)
+                if room is not None:  # at its rpm/tpm, or its provider said none is left: next one
+                    if token:
+                        breaker.report(deployment, Outcome.NEUTRAL, token=token)  # give the probe back
+                    self.limited = True
+                    self._skip(room)
+                    return None
             if attempt == 0:
                 if self.attempted:
                     record.failovers += 1
@@ -261,6 +293,8 @@ class _Call:
             else:
                 elapsed = time.monotonic() - started
                 status = reply.status
+                if limits is not None:
+                    limits.observe(deployment, reply.headers)
                 if status not in RETRYABLE_STATUSES and not is_failure_status(status):
                     if first is not None:
                         breaker.report(deployment, Outcome.SUCCESS, token=token, ttft=elapsed)

@@ -18,6 +18,7 @@ from gateway.core.usage import CallRecord
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Tracing
 from gateway.providers import Provider
+from gateway.relay.headroom import DeploymentLimits
 from gateway.relay.retry import RetryPolicy
 from gateway.relay.routing import Router
 
@@ -67,6 +68,8 @@ class GatewayState:
     #: Re-reads GATEWAY_CONFIG and swaps it in (gateway/edge/reload.py); the argument
     #: says what asked (``admin``, ``sighup``). None in states built without a reloader.
     reload_config: Callable[[str], Awaitable[ReloadOutcome]] | None = None
+    #: Per-deployment rpm/tpm and the providers' own rate-limit reports (gateway/relay/headroom.py).
+    deployment_limits: DeploymentLimits | None = None
     #: Active health checks of the providers that opt in (actors/prober.py).
     probes: ProberHandle | None = None
     #: The providers' connection pools per config generation (gateway/edge/reload.py).

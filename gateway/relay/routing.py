@@ -99,9 +99,14 @@ class Router:
                 return Route(model, candidate, _targets(candidate, model[len(prefix):]), self)
         raise ModelNotFound(f"model {model!r} not found")
 
-    def order(self, route: Route, health: Mapping[str, Health], *, stream: bool) -> list[Target]:
+    def order(
+        self, route: Route, health: Mapping[str, Health], *, stream: bool,
+        headroom: Mapping[str, float] | None = None,
+    ) -> list[Target]:
         """The route's targets in the order its group's strategy tries them for one call."""
-        return order_targets(route.group.strategy, route.targets, health, stream=stream, rng=self.rng)
+        return order_targets(
+            route.group.strategy, route.targets, health, stream=stream, rng=self.rng, headroom=headroom
+        )
 
     def listable(self, allowed: Sequence[str] | None = None) -> list[str]:
         """Names a client can send without asking providers: exact groups (and the

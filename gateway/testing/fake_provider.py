@@ -14,7 +14,8 @@ and ``GET /v1/models``.  Failures are scripted through ``POST /_fake/script``
 (and delay) of ``GET /v1/models``, for health probes.  A step may hold ``status``
 (with ``retry_after``), ``delay_ms``, ``hang``, ``cut_after_chunks``, ``garbage``
 (``"json"``, ``"content_type"`` or ``"huge_line"``, whose size ``line_bytes`` sets),
-``chunks`` and ``chunk_delay_ms``.  Requests to ``/_fake/*`` are not counted in the stats.
+``chunks``, ``chunk_delay_ms`` and ``headers`` (added to a whole or a status answer,
+e.g. ``x-ratelimit-remaining-requests``).  Requests to ``/_fake/*`` are not counted in the stats.
 
 Why one module of ~600 lines: one fake upstream process with its scripting API; tests and
 bench/ start it as ``python -m gateway.testing.fake_provider``.
@@ -68,6 +69,7 @@ _STEP_KEYS: Final[frozenset[str]] = frozenset(
         "chunks",
         "chunk_delay_ms",
         "line_bytes",
+        "headers",
     }
 )
 _MAX_BODY_BYTES: Final[int] = 64 * 1024 * 1024
@@ -262,6 +264,9 @@ def _validate_step(step: Any) -> str | None:
         return f"garbage must be one of {sorted(_GARBAGE_KINDS)}"
     if "line_bytes" in step and not (is_int(step["line_bytes"]) and 1 <= step["line_bytes"] <= _MAX_BODY_BYTES):
         return "line_bytes must be a positive integer (the size of a huge_line)"
+    headers = step.get("headers", {})
+    if not (isinstance(headers, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())):
+        return "headers must be an object of strings"
     return None
 
 
@@ -270,7 +275,7 @@ def _validate_step(step: Any) -> str | None:
 
 def _status_response(wire: _Wire, step: Mapping[str, Any]) -> web.Response:
     """Answer a scripted failure status (with ``Retry-After`` when asked)."""
-    headers: dict[str, str] = {}
+    headers: dict[str, str] = dict(step.get("headers") or {})
     retry_after = step.get("retry_after")
     if retry_after is not None:
         if isinstance(retry_after, float) and retry_after.is_integer():
@@ -403,7 +408,8 @@ async def _answer(request: web.Request, wire: _Wire) -> web.StreamResponse:
         if wire.anthropic:
             return _json(anthropic_message(body, message_id=f"msg_fake_{n}"))
         return _json(
-            completion(body, response_id=f"chatcmpl-fake-{n}", created=int(time.time()), cost=config.cost)
+            completion(body, response_id=f"chatcmpl-fake-{n}", created=int(time.time()), cost=config.cost),
+            headers=step.get("headers"),
         )
     if wire.anthropic:
         events = anthropic_stream_events(body, message_id=f"msg_fake_{n}", n_chunks=chunks)
