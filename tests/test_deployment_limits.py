@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -177,3 +178,18 @@ def test_rpm_and_tpm_config_is_checked(tmp_path: Any) -> None:
                                                                  "strategy": "least-busy"}]))
     config = load_config(load_settings(env), env)
     assert config.models[0].deployments[0].tpm == 1000 and config.models[0].strategy == "least-busy"
+
+
+async def test_a_reload_changes_rpm_at_once(gateway_factory: Any, fake_factory: Any, api_key: str) -> None:
+    a, b = await fake_factory(), await fake_factory()
+    gw = await gateway_factory(
+        env={"ADMIN_TOKEN": "admin-token-for-limit-tests-0123"},
+        config_yaml=limited_fleet(a, b, dep("a", 0), dep("b", 1)),
+    )
+    assert [(await chat(gw, api_key)).status for _ in range(2)] == [200, 200]
+    assert await served_by(a, b) == [2, 0]
+    Path(gw.state.settings.config_path).write_text(limited_fleet(a, b, dep("a", 0, rpm=1), dep("b", 1)))
+    resp = await gw.management.post("/admin/config/reload", headers=auth("admin-token-for-limit-tests-0123"))
+    assert resp.status == 200
+    assert [(await chat(gw, api_key)).status for _ in range(3)] == [200] * 3
+    assert await served_by(a, b) == [3, 2]  # one more on a (its new minute), then b

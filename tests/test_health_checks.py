@@ -148,3 +148,23 @@ def test_health_check_config(tmp_path: Path) -> None:
         load({"bogus": 1})
     with pytest.raises(ConfigError, match=r"providers\.a\.health_check\.unhealthy_after: expected a value >= 1"):
         load({"unhealthy_after": 0})
+
+
+async def test_a_reload_starts_and_stops_health_checks(gateway_factory: Any, fake_factory: Any) -> None:
+    a, b = await fake_factory(), await fake_factory()
+    plain = fleet_config({"a": a, "b": b}, [{"name": "m", "deployments": [{"provider": "a", "model": "m"}]}])
+    gw = await gateway_factory(env={"ADMIN_TOKEN": ADMIN_TOKEN}, config_yaml=plain)
+    assert (await provider_entry(gw, "a"))["health_check"] is None
+    path = Path(gw.state.settings.config_path)
+    path.write_text(pair(a, b))
+    assert (await gw.management.post("/admin/config/reload", headers=ADMIN)).status == 200
+    await set_models(a, 503)
+    await wait_health(gw, "a", False)
+    path.write_text(plain)
+    assert (await gw.management.post("/admin/config/reload", headers=ADMIN)).status == 200
+    await asyncio.sleep(0.05)
+    assert (await provider_entry(gw, "a"))["health_check"] is None
+    assert gw.state.probes.healthy("a")  # no longer probed: only its calls judge it
+    probes = (await a.stats())["by_path"].get("/v1/models", 0)
+    await asyncio.sleep(0.2)
+    assert (await a.stats())["by_path"].get("/v1/models", 0) == probes

@@ -151,6 +151,8 @@ async def gateway_state(
             deployment_limits=deployment_limits,
         )
         state.reload_config = ConfigReloader(state, pools)
+        if state.config_source is not None:
+            state.metrics.config_loaded_at.set(state.config_source.loaded_at)
         state.metrics.watch_health_checks(lambda: {name: s.healthy for name, s in probes.view.items()})
         state.call_listeners.append(_tokens_to_deployment_limits(deployment_limits))
         # Last, so the metrics listener runs after billing's (which may price the call).
