@@ -149,11 +149,13 @@ class DeploymentLimits:
                     return max(0.05, tokens.reset_time - time.time())
             if deployment.rpm is not None:
                 item = self._item(deployment.rpm)
-                if not await windows.hit(item, "requests", deployment.id):
-                    stats = await windows.stats(item, "requests", deployment.id)
+                # One pipeline on Redis (in order): the hit, then what it left.
+                taken, stats = await windows.together(
+                    windows.hit(item, "requests", deployment.id), windows.stats(item, "requests", deployment.id)
+                )
+                if not taken:
                     seen.requests_left, seen.at = 0, now
                     return max(0.05, stats.reset_time - time.time())
-                stats = await windows.stats(item, "requests", deployment.id)
                 seen.requests_left = stats.remaining
             seen.at = now
         except STORAGE_ERRORS as exc:
