@@ -76,6 +76,7 @@ __all__ = [
     "Outcome",
     "Permission",
     "Permit",
+    "Reconfigure",
     "Report",
 ]
 
@@ -194,6 +195,16 @@ class Report:
 
 
 @dataclass(frozen=True, slots=True)
+class Reconfigure:
+    """A config reload (tell): new settings, and deployments whose history is void."""
+
+    settings: BreakerSettings
+    #: Deployments whose provider changed (or that were removed): their circuit and
+    #: latency history say nothing of what the id now points at, so they are forgotten.
+    forget: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Permission:
     """The answer to a Permit."""
 
@@ -244,7 +255,8 @@ class _Transitions(pybreaker.CircuitBreakerListener):
 
     def __init__(self, circuits: Mapping[str, _Circuit], reset_timeout: float) -> None:
         self._circuits = circuits
-        self._reset_timeout = reset_timeout
+        #: Seconds an opened circuit stays open; a config reload may change it.
+        self.reset_timeout = reset_timeout
 
     def state_change(
         self,
@@ -257,7 +269,7 @@ class _Transitions(pybreaker.CircuitBreakerListener):
         old = old_state.name if old_state is not None else None
         if new_state.name == pybreaker.STATE_OPEN:
             if circuit is not None:
-                circuit.open_until = time.monotonic() + self._reset_timeout
+                circuit.open_until = time.monotonic() + self.reset_timeout
             if old == pybreaker.STATE_HALF_OPEN:
                 log.warning("circuit %s re-opened: the probe failed", name)
             else:
@@ -269,7 +281,7 @@ class _Transitions(pybreaker.CircuitBreakerListener):
 
 
 # -- the actor -----------------------------------------------------------------------------
-class BreakerActor(Actor[Permit | Report]):
+class BreakerActor(Actor[Permit | Report | Reconfigure]):
     """Owns every deployment's circuit and health; publishes them as ``view``."""
 
     name = "breaker"
@@ -297,12 +309,15 @@ class BreakerActor(Actor[Permit | Report]):
         if self._sweeper is not None:
             self._sweeper.cancel()
 
-    async def receive(self, msg: Permit | Report) -> Any:
+    async def receive(self, msg: Permit | Report | Reconfigure) -> Any:
         if isinstance(msg, Report):
             self._report(msg, time.monotonic())
             return None
         if isinstance(msg, Permit):
             return self._permit(msg, time.monotonic())
+        if isinstance(msg, Reconfigure):
+            self._reconfigure(msg)
+            return None
         raise TypeError(f"unexpected message {msg!r}")
 
     async def on_internal(self, msg: Any) -> None:
@@ -385,6 +400,17 @@ class BreakerActor(Actor[Permit | Report]):
             calls=health.calls + (outcome is not Outcome.NEUTRAL),
             last_used=now,
         )
+
+    def _reconfigure(self, msg: Reconfigure) -> None:
+        """Apply reloaded settings; unchanged deployments keep their circuit and history."""
+        self.settings = msg.settings
+        self._transitions.reset_timeout = msg.settings.reset_timeout
+        for circuit in self._circuits.values():
+            circuit.breaker.fail_max = msg.settings.fail_max
+            circuit.breaker.reset_timeout = msg.settings.reset_timeout
+        for name in msg.forget:
+            self._table.pop(name, None)
+            self._circuits.pop(name, None)
 
     def purge_idle(self, now: float) -> int:
         """Forget closed, cool entries unused for ``idle_purge`` seconds; how many went."""
@@ -534,6 +560,10 @@ class BreakerHandle:
             self._ref.tell(Report(deployment, outcome, token, latency, ttft, retry_after, will_retry))
         except ActorError:
             self.dropped_reports += 1
+
+    def reconfigure(self, settings: BreakerSettings, forget: tuple[str, ...] = ()) -> None:
+        """Tell the actor about a config reload (see :class:`Reconfigure`)."""
+        self._ref.tell(Reconfigure(settings, forget))
 
     def statuses(self, config: GatewayConfig, now: float | None = None) -> list[DeploymentStatus]:
         """Every configured deployment with its circuit and health, in config order."""

@@ -587,6 +587,17 @@ class CacheHandle:
         #: Called with (best similarity, hit) after each semantic search that found a candidate.
         self.similarity_listeners: list[Callable[[float, bool], None]] = []
 
+    def apply_config(self, config: GatewayConfig) -> None:
+        """A config reload's per-group policies and request-path bounds (effective at once).
+
+        The store's own bounds (``max_bytes``), the Redis prefix, the index and the
+        embedder are built at start-up and change only with a restart.
+        """
+        self._policies = {m.name: m.cache for m in config.models if m.cache is not None}
+        self._opt_in = config.cache.client_opt_in
+        self._wait = config.cache.semantic.max_wait_ms / 1000
+        self.max_entry_bytes = config.cache.max_entry_bytes
+
     # -- the request path ------------------------------------------------------------------
     def ticket(
         self, group: str, requested_model: str, body: Mapping[str, Any],

@@ -944,6 +944,16 @@ class LimiterHandle:
         self._replica = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
 
+    def apply_ip_guard(self, settings: RateLimitSettings) -> None:
+        """A config reload's per-address guards, effective for the next request.
+
+        Immutable values replaced in one step on the event loop, read by the actor and by
+        memory decisions alike; the windows already counted are kept.
+        """
+        self._actor._ip_items = _ip_items(settings.per_ip, settings.per_ip_burst)
+        self._actor._ip_all_items = _ip_items(settings.per_ip_all, None)
+        self._actor.guards_ip = bool(self._actor._ip_items or self._actor._ip_all_items)
+
     async def check_ip(self, ip: str, kind: str = "any") -> None:
         """The per-address guard (see :class:`CheckIp` for ``kind``); RateLimited when refused."""
         if not self._actor.guards_ip:

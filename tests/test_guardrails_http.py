@@ -172,3 +172,23 @@ async def test_a_key_brings_its_own_policies(gateway_factory: Any, fake: FakeUps
     resp = await gateway.data.post("/v1/chat/completions", json=chat_body("to jane@example.com"), headers=auth(key))
     assert resp.status == 200
     assert (await fake.stats())["last_request"]["body"]["messages"][0]["content"] == "to [REDACTED:email]"
+
+
+async def test_a_config_reload_brings_new_policies_and_a_bad_one_changes_nothing(
+    gateway_factory: Any, fake: FakeUpstream, api_key: str
+) -> None:
+    gateway = await gateway_factory(env={"ADMIN_TOKEN": "admin-secret"}, config_yaml=config_for(fake.url))
+    resp = await gateway.data.post("/v1/chat/completions", json=chat_body("to jane@example.com"), headers=auth(api_key))
+    assert resp.status == 200
+    path = gateway.state.settings.config_path
+    admin = {"Authorization": "Bearer admin-secret"}
+    path.write_text(config_for(fake.url, guardrails={"policies": {"bad": {"type": "terms", "patterns": ["("]}}},
+                               models=[{"name": "*", "deployments": [{"provider": "fake", "model": "*"}], "guardrails": ["bad"]}]))
+    refused = await gateway.management.post("/admin/config/reload", headers=admin)
+    assert refused.status >= 400 and "guardrails.policies.bad" in await refused.text()
+    path.write_text(config_for(fake.url, guardrails={"policies": {"mask": {"type": "pii", "mode": "redact"}}},
+                               models=[{"name": "*", "deployments": [{"provider": "fake", "model": "*"}], "guardrails": ["mask"]}]))
+    assert (await gateway.management.post("/admin/config/reload", headers=admin)).status == 200
+    resp = await gateway.data.post("/v1/chat/completions", json=chat_body("to jane@example.com"), headers=auth(api_key))
+    assert resp.status == 200
+    assert (await fake.stats())["last_request"]["body"]["messages"][0]["content"] == "to [REDACTED:email]"

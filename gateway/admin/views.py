@@ -129,11 +129,17 @@ def _public_url(raw: str) -> str | None:
     return str(URL(raw).with_user(None).with_password(None))
 
 
+def _probe(state: GatewayState, provider: str) -> dict[str, Any] | None:
+    """The provider's active health check (actors/prober.py), or None if it has none."""
+    status = state.probes.status(provider) if state.probes is not None else None
+    return status.to_dict() if status is not None else None
+
+
 def providers_view(state: GatewayState) -> dict[str, Any]:
     """The ``/admin/providers`` answer: providers, and every deployment with its health."""
     health = deployment_health(state)
     providers = [
-        {"name": p.name, "type": p.type, "base_url": _public_url(p.base_url)}
+        {"name": p.name, "type": p.type, "base_url": _public_url(p.base_url), "health_check": _probe(state, p.name)}
         for p in state.config.providers.values()
     ]
     # One entry per deployment id; priority and weight belong to each group serving it.
@@ -155,6 +161,8 @@ def providers_view(state: GatewayState) -> dict[str, Any]:
                 if d.price is not None else None
             ),
             "circuit_state": h.circuit_state if h.circuit_state in CIRCUIT_STATES else "unknown",
+            # False only while the provider's active health probes fail (then it is skipped).
+            "healthy": state.probes is None or state.probes.healthy(d.provider),
             "latency_ms": h.latency_ms,
             "error_rate": h.error_rate,
             "recent_requests": h.recent_requests,

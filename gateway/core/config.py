@@ -66,6 +66,7 @@ __all__ = [
     "ConfigError",
     "Deployment",
     "GatewayConfig",
+    "HealthCheck",
     "ModelGroup",
     "Price",
     "ProviderConfig",
@@ -74,10 +75,11 @@ __all__ = [
     "Settings",
     "load_config",
     "load_settings",
+    "parse_config",
 ]
 
 ProviderType = Literal["openai", "anthropic", "mock", "azure", "gemini", "bedrock", "vertex"]
-Strategy = Literal["priority", "weighted", "least-latency", "least-cost"]
+Strategy = Literal["priority", "weighted", "least-latency", "least-cost", "least-busy"]
 CacheMode = Literal["exact", "semantic"]  # semantic falls back to exact first
 CacheScope = Literal["key", "subject", "global"]  # who may be served a stored answer
 PROVIDER_TYPES: tuple[str, ...] = get_args(ProviderType)
@@ -131,6 +133,19 @@ def _header_items(value: Any) -> Any:
 
 
 @dataclass(frozen=True, config=SHAPE)
+class HealthCheck(_Section):
+    """``providers.NAME.health_check``: probe the provider's model list (``GET /models``),
+    never billed, and keep its deployments out of routing while it fails (docs/operations.md)."""
+
+    interval: Seconds = Field(default=10.0, validation_alias="interval_seconds")
+    timeout: Seconds = Field(default=2.0, validation_alias="timeout_seconds")
+    #: Consecutive failed probes that mark the provider unhealthy.
+    unhealthy_after: Annotated[StrictInt, Field(ge=1)] = 2
+    #: Consecutive good probes that mark it healthy again.
+    healthy_after: Annotated[StrictInt, Field(ge=1)] = 1
+
+
+@dataclass(frozen=True, config=SHAPE)
 class ProviderConfig(_Section):
     """One upstream account (``providers.NAME``): how to reach it and how patient to be with it."""
 
@@ -164,6 +179,9 @@ class ProviderConfig(_Section):
         """One type-specific setting, or ``default`` when the config left it out."""
         return dict(self.options).get(key, default)
 
+    #: Active health probes; None (the default) means none: only real calls judge it.
+    health_check: HealthCheck | None = None
+
     @classmethod
     def _more_keys(cls, data: dict[str, Any]) -> tuple[str, ...]:
         type_ = data.get("type")
@@ -172,6 +190,8 @@ class ProviderConfig(_Section):
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
         data = _drop_nulls(data, "headers", "api_key_file")
+        if data.get("health_check") is True:
+            data["health_check"] = {}  # ``health_check: true``: every default
         type_ = data.get("type", "openai")
         if data.get("base_url") is None and isinstance(type_, str) and type_ in DEFAULT_BASE_URLS:
             data["base_url"] = DEFAULT_BASE_URLS[type_]
@@ -242,6 +262,10 @@ class Deployment(_Section):
     priority: Annotated[StrictInt, Field(ge=-(2**31))] = 0
     weight: Annotated[Number, Field(ge=0)] = 1.0
     price: Price | None = None
+    #: The provider's quota for this deployment, per minute, counted across replicas
+    #: (gateway/relay/headroom.py): a deployment out of room is skipped, not sent a 429.
+    rpm: Annotated[StrictInt, Field(ge=1)] | None = None
+    tpm: Annotated[StrictInt, Field(ge=1)] | None = None
 
     @property
     def id(self) -> str:
@@ -530,12 +554,26 @@ def load_config(settings: Settings, environ: Mapping[str, str] | None = None) ->
     """
     if settings.config_path is None:
         return default_config(settings)
-    env = os.environ if environ is None else environ
     try:
-        raw = yaml.safe_load(settings.config_path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+        text = settings.config_path.read_text()
+    except OSError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(f"{settings.config_path}: {first}") from None
+    return parse_config(text, settings.config_path, environ)
+
+
+def parse_config(text: str, source: Path, environ: Mapping[str, str] | None = None) -> GatewayConfig:
+    """The config file's ``text`` (read from ``source``) as a GatewayConfig.
+
+    Split from :func:`load_config` so a reload validates exactly the bytes it hashes.
+    Raises ConfigError as :func:`load_config` does.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{source}: {first}") from None
     key_files: dict[str, Path] = {}
     raw = _interpolate(raw, env, "", key_files)
     try:

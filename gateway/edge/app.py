@@ -8,35 +8,41 @@ down in reverse (actors stop last-started first).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from actors.auth import AuthActor, AuthHandle
 from actors.billing import BillingActor, BillingHandle
 from actors.breaker import BreakerActor, BreakerHandle
 from actors.cache import start_cache
 from actors.limiter import LimiterActor, LimiterHandle
+from actors.prober import ProberActor, ProberHandle
 from actors.runtime import Supervisor
 from gateway.admin import cache as cache_admin
+from gateway.admin import config as config_admin
 from gateway.admin import routes as admin
 from gateway.admin.console import add_console
 from gateway.auth.keys import KeyStore
 from gateway.billing.gate import unpriced_deployments
 from gateway.billing.reservations import ReservationStore, open_reservations
-from gateway.core.config import ConfigError, GatewayConfig, Settings
+from gateway.core.config import GatewayConfig, Settings
 from gateway.core.db import connect_pool, migrate
+from gateway.core.usage import CallRecord
 from gateway.edge import chat, completions, dataplane, messages, openapi, passthrough, ratelimit, telemetry
 from gateway.edge.guardrails import build_guardrails
+from gateway.edge.reload import ConfigReloader, ProviderPools, default_source
 from gateway.http.admission import ADMISSION, AdmissionGate, admission_middleware, default_max_in_flight
 from gateway.http.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
 from gateway.http.middleware import error_middleware, security_headers
 from gateway.http.state import STATE, GatewayState
 from gateway.observability.tracing import Tracing
-from gateway.providers import Provider, build_provider
+from gateway.relay.headroom import DeploymentLimits
 from gateway.relay.retry import RetryPolicy
 from gateway.relay.routing import Router
 
@@ -59,14 +65,31 @@ MANAGEMENT_HEADERS = {
 }
 
 
-def _providers(config: GatewayConfig, session: aiohttp.ClientSession, settings: Settings) -> dict[str, Provider]:
-    built: dict[str, Provider] = {}
-    for name, provider_config in config.providers.items():
-        try:
-            built[name] = build_provider(provider_config, session, request_timeout=settings.request_timeout)
-        except ValueError as exc:
-            raise ConfigError(f"providers.{name}.type: {exc}") from None
-    return built
+def _shared_store(settings: Settings, config: GatewayConfig) -> str | None:
+    """Redis for per-deployment rpm/tpm when the gateway has one (so replicas count
+    together), unless ``rate_limits.storage`` pins windows to memory."""
+    storage = config.rate_limits.storage
+    if storage is not None and storage.startswith(("redis://", "rediss://", "async+redis")):
+        return storage
+    if storage is not None and storage.startswith("memory"):
+        return None
+    return settings.redis_url
+
+
+def _tokens_to_deployment_limits(limits: DeploymentLimits) -> Callable[[CallRecord], None]:
+    """A call listener: a finished call's tokens count toward its deployment's ``tpm``."""
+    pending: set[asyncio.Task[None]] = set()
+
+    def charge(record: CallRecord) -> None:
+        if not limits.charges_tokens(record.deployment) or record.deployment is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            limits.charge_tokens(record.deployment, record.usage.total_tokens)
+        )
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    return charge
 
 
 @contextlib.asynccontextmanager
@@ -80,6 +103,8 @@ async def gateway_state(
     supervisor = Supervisor()
     embedder = None
     reservations: ReservationStore | None = None
+    pools = ProviderPools(settings)
+    deployment_limits: DeploymentLimits | None = None
     try:
         if run_migrations:
             async with pool.acquire() as conn:
@@ -102,9 +127,18 @@ async def gateway_state(
         breaker_ref = await supervisor.start(breaker_actor)
         limiter_actor = LimiterActor(config.rate_limits, redis_url=settings.redis_url, pool=pool)
         limiter_ref = await supervisor.start(limiter_actor)
-        providers = _providers(config, session, settings)
-        router = Router(config)
+        providers = pools.build(config)
+        deployment_limits = DeploymentLimits(
+            redis_url=_shared_store(settings, config), key_prefix=config.rate_limits.key_prefix
+        )
+        prober_actor = ProberActor()
+        probes = ProberHandle(prober_actor, await supervisor.start(prober_actor))
+        probes.watch(providers)
+        router = Router(config, providers=providers)
         cache, embedder = await start_cache(supervisor, config, settings.redis_url, providers, router, pool=pool)
+        if embedder is not None and config.cache.semantic.embedder != "local":
+            # The cache's embedder holds this provider for the process's life: never closed by a reload.
+            pools.pinned.add(id(providers[router.resolve(config.cache.semantic.embedder).targets[0].provider]))
         guardrails = build_guardrails(config, session, router, providers)
         state = GatewayState(
             settings=settings,
@@ -125,7 +159,16 @@ async def gateway_state(
             call_listeners=[billing.record],
             cache=cache,
             guardrails=guardrails if guardrails.any else None,
+            config_source=default_source(settings),
+            provider_pools=pools,
+            probes=probes,
+            deployment_limits=deployment_limits,
         )
+        state.reload_config = ConfigReloader(state, pools)
+        if state.config_source is not None:
+            state.metrics.config_loaded_at.set(state.config_source.loaded_at)
+        state.metrics.watch_health_checks(lambda: {name: s.healthy for name, s in probes.view.items()})
+        state.call_listeners.append(_tokens_to_deployment_limits(deployment_limits))
         # Last, so the metrics listener runs after billing's (which may price the call).
         telemetry.install(state)
         yield state
@@ -133,12 +176,20 @@ async def gateway_state(
         await supervisor.stop()
         if reservations is not None:
             await reservations.close()
+        if deployment_limits is not None:
+            await deployment_limits.close()
         await tracing.shutdown()
         if embedder is not None:
             embedder.close()
+        await pools.close_all()
         if session is not None:
             await session.close()
         await pool.close()
+
+
+def _generation_pin(state: GatewayState) -> list[Middleware]:
+    """The middleware pinning each request to its config generation (see reload.py)."""
+    return [] if state.provider_pools is None else [state.provider_pools.middleware()]
 
 
 def build_data_app(state: GatewayState) -> web.Application:
@@ -155,7 +206,7 @@ def build_data_app(state: GatewayState) -> web.Application:
     app = web.Application(
         middlewares=[
             telemetry.observe, cors.middleware, admission_middleware(gate), error_middleware,
-            ratelimit.ratelimit_middleware,
+            ratelimit.ratelimit_middleware, *_generation_pin(state),
         ],
         client_max_size=state.settings.body_limit + 1024,
     )
@@ -212,4 +263,5 @@ def build_management_app(
     admin.add_admin_routes(app.router)
     cache_admin.add_routes(app)
     add_console(app, admin_auth)
+    config_admin.add_routes(app)
     return app

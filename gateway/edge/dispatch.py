@@ -15,6 +15,11 @@ the group's ``fallbacks`` (model names, resolved like a client's, one level deep
   the provider's ``retry_on_timeout`` allows; a connection that never opened always is.
 * A 429 cools its deployment for its Retry-After and moves on at once; only the last
   candidate waits it out.
+* A deployment at its own ``rpm`` / ``tpm``, or whose provider reported nothing left
+  (``x-ratelimit-remaining-*``), is passed over before it can answer 429
+  (:mod:`gateway.relay.headroom`); when every one is, 429 ``rate_limit_exceeded``.
+* A provider whose active health probes fail (``health_check:``, actors/prober.py) is
+  passed over like an open circuit, before any call of a user reaches it.
 * Nothing attempted because every circuit is open or cooling: 503 ``circuit_open`` with
   the shortest wait as Retry-After.
 
@@ -56,6 +61,7 @@ from gateway.core.errors import (
     CircuitOpen,
     GatewayError,
     ModelNotFound,
+    RateLimited,
     UpstreamAuthFailed,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -158,9 +164,10 @@ async def embed(
 
 async def _run(call: _Call, state: GatewayState, route: Route, record: CallRecord) -> tuple[Target, UpstreamReply]:
     chain: list[tuple[str | None, Route]] = [(None, route)]
+    router = route.router or state.router  # the call's own config generation, even mid-reload
     for name in route.group.fallbacks:
         try:
-            chain.append((name, state.router.resolve(name)))
+            chain.append((name, router.resolve(name)))
         except GatewayError:
             continue  # config validation keeps this from happening
     record.upstream_started_at = started = time.monotonic()
@@ -175,7 +182,7 @@ class _Call:
 
     __slots__ = (
         "attempted", "body", "breaker", "capable", "embeddings", "headers", "last_error", "last_reply",
-        "last_target", "native", "record", "state", "stream", "wait",
+        "last_target", "limited", "native", "record", "state", "stream", "wait",
     )
 
     def __init__(
@@ -199,14 +206,22 @@ class _Call:
         self.last_reply: UpstreamReply | None = None
         self.last_target: Target | None = None
         self.wait: float | None = None
+        #: A target was skipped for its rpm/tpm (all skipped: 429, not 503).
+        self.limited = False
 
     async def run(self, chain: list[tuple[str | None, Route]]) -> tuple[Target, UpstreamReply]:
         seen: set[tuple[str, str]] = set()
         for link, (fallback_model, route) in enumerate(chain):
-            ordered = self.state.router.order(route, self.breaker.view, stream=self.stream)
+            router = route.router or self.state.router
+            limits = self.state.deployment_limits
+            headroom = (
+                limits.snapshot([t.deployment for t in route.targets])
+                if limits is not None and route.group.strategy == "least-busy" else None
+            )
+            ordered = router.order(route, self.breaker.view, stream=self.stream, headroom=headroom)
             if self.embeddings:
                 # e.g. an Anthropic deployment in the group: passed over, not a failure.
-                providers = self.state.providers
+                providers = _providers_of(self.state, route)
                 ordered = [t for t in ordered if providers[t.provider].serves_embeddings]
             elif self.native is not None and self.native.chat_error is not None:
                 providers = self.state.providers
@@ -218,7 +233,7 @@ class _Call:
                 seen.add(key)
                 self.capable += 1
                 more = index + 1 < len(ordered) or link + 1 < len(chain)
-                reply = await self._try(target, route.group, fallback_model, more=more)
+                reply = await self._try(target, route, fallback_model, more=more)
                 if reply is not None:
                     return target, reply
         return self._give_up()
@@ -232,6 +247,12 @@ class _Call:
             raise ModelNotFound(f"no deployment of model {record.requested_model!r} serves embeddings")
         if self.native is not None and self.native.chat_error is not None and self.capable == 0:
             raise self.native.chat_error
+        if self.attempted == 0 and self.limited:
+            # Every deployment is at its own quota: the client's retry after this succeeds.
+            raise RateLimited(
+                f"every deployment of model {record.requested_model!r} is at its rate limit",
+                retry_after=max(1.0, self.wait or 1.0),
+            )
         if self.attempted == 0:
             raise CircuitOpen(
                 f"no healthy deployment for model {record.requested_model!r}", retry_after=self.wait or 1.0
@@ -247,17 +268,21 @@ class _Call:
         raise UpstreamUnavailable(f"upstream unavailable (request id {record.request_id})")
 
     async def _try(
-        self, target: Target, group: ModelGroup, fallback_model: str | None, *, more: bool
+        self, target: Target, route: Route, fallback_model: str | None, *, more: bool
     ) -> UpstreamReply | None:
         """Attempts on one target; the reply to return, or None to move on."""
-        state, breaker, record = self.state, self.breaker, self.record
+        state, breaker, record, group = self.state, self.breaker, self.record, route.group
         deployment = target.deployment.id
-        provider = state.providers[target.provider]
+        provider = _providers_of(state, route)[target.provider]
         timeouts = timeouts_for(group, provider)
         max_retries = state.retry_policy.retries_for(provider.config)
         body = self.body
         if body.get("model") != target.upstream_model:
             body = {**body, "model": target.upstream_model}
+        probes = state.probes
+        if probes is not None and not probes.healthy(target.provider):
+            self._skip(probes.retry_after(target.provider))  # its health probes fail: not a user's call
+            return None
         attempt = 0
         while True:
             token = 0
@@ -271,6 +296,15 @@ class _Call:
                 permission, token = await breaker.permit(deployment, lease + _PROBE_LEASE_MARGIN)
                 if not permission.granted:
                     self._skip(permission.retry_after)
+                    return None
+            limits = state.deployment_limits
+            if limits is not None:
+                room = await limits.take(target.deployment)
+                if room is not None:  # at its rpm/tpm, or its provider said none is left: next one
+                    if token:
+                        breaker.report(deployment, Outcome.NEUTRAL, token=token)  # give the probe back
+                    self.limited = True
+                    self._skip(room)
                     return None
             if attempt == 0:
                 if self.attempted:
@@ -317,6 +351,8 @@ class _Call:
             else:
                 elapsed = time.monotonic() - started
                 status = reply.status
+                if limits is not None:
+                    limits.observe(deployment, reply.headers)
                 if status in _CREDENTIAL_REFUSED:
                     await self._credential_refused(target, reply, token)
                     return None  # another deployment's credential may work; retrying here won't
@@ -368,6 +404,13 @@ class _Call:
         telemetry.upstream_auth_failed(self.state, target.provider, deployment, reply.status)
         self.last_error = UpstreamCredentialRejected(f"provider answered {reply.status}")
         self.last_reply, self.last_target = None, target
+
+
+def _providers_of(state: GatewayState, route: Route) -> Mapping[str, Provider]:
+    """The providers of the config generation that resolved ``route`` (see gateway/edge/reload.py)."""
+    if route.router is not None and route.router.providers:
+        return route.router.providers
+    return state.providers
 
 
 def _left_behind(

@@ -25,6 +25,7 @@ from gateway import __version__
 from gateway.admin.cache import KEY_PATTERN, MAX_GROUP_LEN
 from gateway.admin.input import BODIES, QUERIES
 from gateway.edge.openapi_shapes import (
+    ACTIVE_CONFIG,
     ANTHROPIC_ERROR,
     ANTHROPIC_ERRORS,
     ANTHROPIC_EVENT,
@@ -35,6 +36,7 @@ from gateway.edge.openapi_shapes import (
     CHAT_EVENT,
     CHAT_REQUEST,
     COMPLETION_REQUEST,
+    CONFIG_SOURCE,
     COUNT_TOKENS_REQUEST,
     EMBEDDINGS_REQUEST,
     ERROR_SCHEMA,
@@ -46,6 +48,7 @@ from gateway.edge.openapi_shapes import (
     NEW_KEY,
     PROVIDERS,
     READY,
+    RELOAD_OUTCOME,
     ROTATED_KEY,
     SUBJECT_BUDGET,
     USAGE_REPORT,
@@ -271,6 +274,19 @@ def management_document() -> dict[str, Any]:
                 "listProviders", "Providers and deployments with circuit state, latency and error rate",
                 {"200": json_body(ref("Providers"), "providers and deployments")},
             )},
+            "/admin/config": {"get": _admin_op(
+                "showConfig", "The active config: source, hash, load time, last reload; secrets masked",
+                {"200": json_body(ref("ActiveConfig"), "the active config"), **_BAD_REQUEST},
+            )},
+            "/admin/config/reload": {"post": _admin_op(
+                "reloadConfig", "Re-read GATEWAY_CONFIG and swap it in (as SIGHUP does); every worker too",
+                {
+                    "200": json_body(ref("ReloadOutcome"), "applied"),
+                    "422": error("the file was refused, nothing changed (invalid_config)"),
+                    "503": error("a worker did not confirm the reload (reload_incomplete)"),
+                    **_BAD_REQUEST,
+                },
+            )},
             "/admin/cache": {
                 "get": _admin_op(
                     "cacheStats", "Response cache: entries and bytes held, counters, per-group policies",
@@ -305,6 +321,7 @@ def management_document() -> dict[str, Any]:
                 "AuditEntry": AUDIT_ENTRY, "AuditList": list_of(ref("AuditEntry"), {"type": "integer"}),
                 "UsageReport": USAGE_REPORT, "Providers": PROVIDERS,
                 "CacheStats": CACHE_STATS, "CachePurged": CACHE_PURGED,
+                "ConfigSource": CONFIG_SOURCE, "ReloadOutcome": RELOAD_OUTCOME, "ActiveConfig": ACTIVE_CONFIG,
             },
         },
     }

@@ -18,7 +18,10 @@ from gateway.admin.input import GROUP_BYS
 from gateway.auth.keys import BUDGET_PERIODS, KEY_STATES
 
 __all__ = [
+    "ACTIVE_CONFIG",
     "AUDIT_ENTRY",
+    "CONFIG_SOURCE",
+    "RELOAD_OUTCOME",
     "CACHE_PURGED",
     "CACHE_STATS",
     "CHAT_EVENT",
@@ -212,6 +215,17 @@ PROVIDERS = {
             "properties": {
                 "name": {"type": "string"}, "type": {"type": "string"},
                 "base_url": {"type": ["string", "null"], "description": "without credentials"},
+                "health_check": nullable({
+                    "type": "object", "description": "active health probes (null: none configured)",
+                    "properties": {
+                        "healthy": {"type": "boolean"}, "consecutive_failures": {"type": "integer"},
+                        "consecutive_successes": {"type": "integer"}, "probes": {"type": "integer"},
+                        "last_checked": nullable({"type": "number"}),
+                        "last_latency_seconds": nullable({"type": "number"}),
+                        "last_error": nullable({"type": "string"}),
+                        "interval_seconds": {"type": "number"}, "timeout_seconds": {"type": "number"},
+                    },
+                }),
             },
         }},
         "deployments": {"type": "array", "items": {
@@ -222,6 +236,7 @@ PROVIDERS = {
             ],
             "properties": {
                 "id": {"type": "string", "description": "provider/model"},
+                "healthy": {"type": "boolean", "description": "false while its provider's health probes fail"},
                 "provider": {"type": "string"},
                 "model": {"type": "string"},
                 "model_groups": {"type": "array", "items": {
@@ -263,6 +278,37 @@ CACHE_PURGED = {
         "type": "object", "required": ["memory", "shared"],
         "properties": {"memory": {"type": "integer", "minimum": 0}, "shared": {"type": "integer", "minimum": -1}},
     }},
+}
+
+CONFIG_SOURCE = {
+    "type": "object",
+    "required": ["source", "hash", "loaded_at", "generation"],
+    "properties": {
+        "source": {"type": "string", "description": "the GATEWAY_CONFIG file, or 'default'"},
+        "hash": {"type": "string", "pattern": "^sha256:[0-9a-f]{64}$"},
+        "loaded_at": {"type": "number", "description": "Unix time"},
+        "generation": {"type": "integer", "minimum": 1},
+    },
+}
+RELOAD_OUTCOME = {
+    "type": "object",
+    "required": ["ok", "trigger", "at", "error", "changed", "needs_restart", "active"],
+    "properties": {
+        "ok": {"type": "boolean"}, "trigger": {"enum": ["admin", "sighup"]}, "at": {"type": "number"},
+        "error": nullable({"type": "string"}), "changed": {"type": "boolean"},
+        "needs_restart": {"type": "array", "items": {"type": "string"}},
+        "active": {"$ref": "#/components/schemas/ConfigSource"},
+        "workers": {"type": "array", "items": {"type": "object"}},
+    },
+}
+ACTIVE_CONFIG = {
+    "type": "object",
+    "required": ["active", "last_reload", "config"],
+    "properties": {
+        "active": {"$ref": "#/components/schemas/ConfigSource"},
+        "last_reload": nullable({"$ref": "#/components/schemas/ReloadOutcome"}),
+        "config": {"type": "object", "description": "the config file's content, secrets masked"},
+    },
 }
 
 # ----------------------------------------------------------------------- data plane

@@ -27,6 +27,7 @@ from gateway.auth.keys import DEV_KEY, DEV_KEY_RPM, DEV_KEY_WINDOW_SECONDS, KeyS
 from gateway.core.config import GatewayConfig, Settings
 from gateway.core.db import embedded_database_url
 from gateway.edge.app import DATA_SERVER_OPTIONS, build_data_app, build_management_app, gateway_state
+from gateway.edge.reload import install_sighup
 from gateway.http.admission import ADMISSION, AdmissionGate, raise_open_file_limit
 from gateway.http.parser_errors import ContractAppRunner
 from gateway.observability.logfilters import install_log_filters
@@ -166,6 +167,7 @@ async def _serve_until_stopped(
     worker_socket: str | None, stop: asyncio.Event, serving: asyncio.Event, runners: list[web.AppRunner],
 ) -> None:
     async with gateway_state(settings, config, dsn, run_migrations=migrate) as state:
+        install_sighup(asyncio.get_running_loop(), state)
         if embedded:
             await seed_development_key(state.pool)
             print(_dev_bind_notice(settings, config), flush=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -32,9 +33,12 @@ from prometheus_client.samples import Sample
 
 from gateway import __version__
 from gateway.core.config import GatewayConfig, Settings
+from gateway.core.config_source import ReloadOutcome
 from gateway.edge.app import build_management_app, gateway_state
+from gateway.edge.reload import install_sighup
 from gateway.edge.server import SUPERVISOR_PID_ENV, seed_development_key
 from gateway.http.parser_errors import ContractAppRunner
+from gateway.http.state import GatewayState
 from gateway.observability.metrics import CONTENT_TYPE
 
 __all__ = ["WorkerPool", "per_worker_limits_refusal", "supervise_workers"]
@@ -147,6 +151,39 @@ class WorkerPool:
             if w.watcher is not None:
                 w.watcher.cancel()
 
+    async def reload(self, admin_token: str | None) -> tuple[dict[str, object], ...]:
+        """Have every live worker reload its config; each worker's outcome.
+
+        With an admin token, each worker's own ``POST /admin/config/reload`` over its
+        private socket (so its answer comes back); without one (the admin API is off)
+        a SIGHUP to each worker, whose outcome is only in its log.
+        """
+
+        async def one(worker: Worker) -> dict[str, object]:
+            pid = worker.proc.pid if worker.proc is not None else None
+            if worker.proc is None or worker.proc.returncode is not None:
+                return {"worker": worker.index, "ok": False, "error": "worker is not running"}
+            if admin_token is None:
+                worker.proc.send_signal(signal.SIGHUP)
+                return {"worker": worker.index, "pid": pid, "ok": True, "signalled": True}
+            try:
+                connector = aiohttp.UnixConnector(path=str(worker.socket))
+                async with aiohttp.ClientSession(connector=connector) as session, session.post(
+                    "http://worker/admin/config/reload", headers={"Authorization": f"Bearer {admin_token}"},
+                    timeout=aiohttp.ClientTimeout(total=30),
+                ) as resp:
+                    body = await resp.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                return {"worker": worker.index, "pid": pid, "ok": False, "error": f"worker did not answer: {exc}"}
+            outcome = body.get("reload", body) if isinstance(body, dict) else {}
+            ok = bool(outcome.get("ok"))
+            return {
+                "worker": worker.index, "pid": pid, "ok": ok, "refused": not ok, "error": outcome.get("error"),
+                "hash": (outcome.get("active") or {}).get("hash"),
+            }
+
+        return tuple(await asyncio.gather(*(one(w) for w in self.workers)))
+
     async def scrape(self) -> list[tuple[int, str]]:
         """Each live worker's ``/metrics`` text; a worker that does not answer is skipped."""
 
@@ -203,6 +240,28 @@ def _aggregated_metrics(pool: WorkerPool) -> Callable[[web.Request], Awaitable[w
     return handler
 
 
+def _reload_workers_too(state: GatewayState, pool: WorkerPool) -> None:
+    """The supervisor's reload (SIGHUP or the admin API) reloads itself, then every worker.
+
+    The supervisor validates first: a file it refuses is not passed on, so no worker
+    changes either.
+    """
+    own = state.reload_config
+    if own is None:
+        return
+
+    async def reload_all(trigger: str) -> ReloadOutcome:
+        outcome = await own(trigger)
+        if not outcome.ok:
+            return outcome
+        workers = await pool.reload(state.settings.admin_token)
+        outcome = dataclasses.replace(outcome, workers=workers)
+        state.last_reload = outcome
+        return outcome
+
+    state.reload_config = reload_all
+
+
 async def supervise_workers(
     settings: Settings, config: GatewayConfig, dsn: str, *, embedded: bool, workers: int, migrate: bool
 ) -> None:
@@ -216,6 +275,8 @@ async def supervise_workers(
     pool = WorkerPool(workers, env, runtime_dir)
     try:
         async with gateway_state(settings, config, dsn, run_migrations=migrate) as state:
+            _reload_workers_too(state, pool)
+            install_sighup(loop, state)
             if embedded:
                 await seed_development_key(state.pool)
             await pool.start()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,11 +13,13 @@ from aiohttp import web
 from actors.runtime import Supervisor
 from gateway.auth.keys import KeyStore
 from gateway.core.config import GatewayConfig, Settings
+from gateway.core.config_source import ConfigSource, ReloadOutcome
 from gateway.core.usage import CallRecord
 from gateway.guardrails.registry import Guardrails
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Tracing
 from gateway.providers import Provider
+from gateway.relay.headroom import DeploymentLimits
 from gateway.relay.retry import RetryPolicy
 from gateway.relay.routing import Router
 
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
     from actors.breaker import BreakerHandle, DeploymentStatus
     from actors.cache import CacheHandle
     from actors.limiter import LimiterHandle
+    from actors.prober import ProberHandle
+    from gateway.edge.reload import ProviderPools
 
 __all__ = ["STATE", "GatewayState"]
 
@@ -60,6 +64,19 @@ class GatewayState:
     cache: CacheHandle | None = None
     #: Guardrail policies per model group and key (gateway/guardrails); None: none configured.
     guardrails: Guardrails | None = None
+    #: The active config's source, hash and load time (``GET /admin/config``).
+    config_source: ConfigSource | None = None
+    #: How the last reload went (None: none since start-up).
+    last_reload: ReloadOutcome | None = None
+    #: Re-reads GATEWAY_CONFIG and swaps it in (gateway/edge/reload.py); the argument
+    #: says what asked (``admin``, ``sighup``). None in states built without a reloader.
+    reload_config: Callable[[str], Awaitable[ReloadOutcome]] | None = None
+    #: Per-deployment rpm/tpm and the providers' own rate-limit reports (gateway/relay/headroom.py).
+    deployment_limits: DeploymentLimits | None = None
+    #: Active health checks of the providers that opt in (actors/prober.py).
+    probes: ProberHandle | None = None
+    #: The providers' connection pools per config generation (gateway/edge/reload.py).
+    provider_pools: ProviderPools | None = None
 
     def deployment_health(self) -> list[DeploymentStatus]:
         """Every configured deployment with circuit state, recent latency and error rate,

@@ -18,7 +18,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.core.config import Deployment, GatewayConfig, ModelGroup
@@ -53,12 +53,20 @@ class Route:
     requested_model: str
     group: ModelGroup
     targets: tuple[Target, ...]
+    #: The router (and so the config generation) that resolved it: a call keeps using
+    #: its providers and fallbacks even if the config is reloaded meanwhile.
+    router: Router | None = field(default=None, compare=False, repr=False)
 
 
 class Router:
     """Resolves model names against the configured model groups and orders targets."""
 
-    def __init__(self, config: GatewayConfig, *, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, config: GatewayConfig, *, rng: random.Random | None = None,
+        providers: Mapping[str, Provider] | None = None,
+    ) -> None:
+        #: The providers of this config generation (empty when built without them).
+        self.providers: Mapping[str, Provider] = providers or {}
         self._exact: dict[str, ModelGroup] = {m.name: m for m in config.models if not m.is_wildcard}
         # Longest prefix first, so "venice/*" wins over "*".
         self._wildcards: list[ModelGroup] = sorted(
@@ -67,7 +75,7 @@ class Router:
         self._groups: Mapping[str, ModelGroup] = {m.name: m for m in config.models}
         # Exact groups resolve to the same targets every call: build them once.
         self._exact_routes: dict[str, Route] = {
-            name: Route(name, group, _targets(group, name)) for name, group in self._exact.items()
+            name: Route(name, group, _targets(group, name), self) for name, group in self._exact.items()
         }
         #: Draws the weighted strategy's order; seedable for tests.
         self.rng = rng or random.Random()
@@ -89,12 +97,17 @@ class Router:
         for candidate in self._wildcards:
             prefix = candidate.name[:-1]
             if model.startswith(prefix) and len(model) > len(prefix):
-                return Route(model, candidate, _targets(candidate, model[len(prefix):]))
+                return Route(model, candidate, _targets(candidate, model[len(prefix):]), self)
         raise ModelNotFound(f"model {model!r} not found")
 
-    def order(self, route: Route, health: Mapping[str, Health], *, stream: bool) -> list[Target]:
+    def order(
+        self, route: Route, health: Mapping[str, Health], *, stream: bool,
+        headroom: Mapping[str, float] | None = None,
+    ) -> list[Target]:
         """The route's targets in the order its group's strategy tries them for one call."""
-        return order_targets(route.group.strategy, route.targets, health, stream=stream, rng=self.rng)
+        return order_targets(
+            route.group.strategy, route.targets, health, stream=stream, rng=self.rng, headroom=headroom
+        )
 
     def listable(self, allowed: Sequence[str] | None = None) -> list[str]:
         """Names a client can send without asking providers: exact groups (and the

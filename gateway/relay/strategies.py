@@ -13,6 +13,10 @@ the same deployments in the same order.
   deployment with no recent measurement counts as fastest, so it gets measured.
 * ``least-cost``: lowest price first (input plus output USD per million tokens, the
   usual blended list price); a deployment without a price comes last.
+* ``least-busy``: most headroom first: the largest share left of the deployment's
+  ``rpm`` / ``tpm`` this minute and of what its provider last reported in
+  ``x-ratelimit-remaining-*`` (:mod:`gateway.relay.headroom`); a deployment with no
+  limit and no report counts as untouched (1.0).
 """
 
 from __future__ import annotations
@@ -36,13 +40,15 @@ def _tie(index: int, target: Target) -> tuple[int, int]:
 
 
 def _priority(
-    targets: Sequence[Target], health: Mapping[str, Health], stream: bool, rng: random.Random
+    targets: Sequence[Target], health: Mapping[str, Health], stream: bool, rng: random.Random,
+    headroom: Mapping[str, float],
 ) -> list[Target]:
     return [t for _, t in sorted(enumerate(targets), key=lambda it: _tie(*it))]
 
 
 def _weighted(
-    targets: Sequence[Target], health: Mapping[str, Health], stream: bool, rng: random.Random
+    targets: Sequence[Target], health: Mapping[str, Health], stream: bool, rng: random.Random,
+    headroom: Mapping[str, float],
 ) -> list[Target]:
     # Weighted sampling without replacement (Efraimidis-Spirakis): each deployment draws
     # u ** (1 / weight) and the largest draws go first, so the first pick is
@@ -66,7 +72,8 @@ def _latency_of(health: Health | None, stream: bool) -> float:
 
 
 def _least_latency(
-    targets: Sequence[Target], health: Mapping[str, Health], stream: bool, rng: random.Random
+    targets: Sequence[Target], health: Mapping[str, Health], stream: bool, rng: random.Random,
+    headroom: Mapping[str, float],
 ) -> list[Target]:
     return [
         t for _, t in sorted(
@@ -83,14 +90,28 @@ def _price_of(deployment: Deployment) -> float:
 
 
 def _least_cost(
-    targets: Sequence[Target], health: Mapping[str, Health], stream: bool, rng: random.Random
+    targets: Sequence[Target], health: Mapping[str, Health], stream: bool, rng: random.Random,
+    headroom: Mapping[str, float],
 ) -> list[Target]:
     return [
         t for _, t in sorted(enumerate(targets), key=lambda it: (_price_of(it[1].deployment), *_tie(*it)))
     ]
 
 
-_Strategy = Callable[[Sequence["Target"], Mapping[str, "Health"], bool, random.Random], list["Target"]]
+def _least_busy(
+    targets: Sequence[Target], health: Mapping[str, Health], stream: bool, rng: random.Random,
+    headroom: Mapping[str, float],
+) -> list[Target]:
+    return [
+        t for _, t in sorted(
+            enumerate(targets), key=lambda it: (-headroom.get(it[1].deployment.id, 1.0), *_tie(*it))
+        )
+    ]
+
+
+_Strategy = Callable[
+    [Sequence["Target"], Mapping[str, "Health"], bool, random.Random, Mapping[str, float]], list["Target"]
+]
 
 #: Strategy name (as in the config file) → how it orders targets.
 STRATEGIES: Mapping[str, _Strategy] = {
@@ -98,6 +119,7 @@ STRATEGIES: Mapping[str, _Strategy] = {
     "weighted": _weighted,
     "least-latency": _least_latency,
     "least-cost": _least_cost,
+    "least-busy": _least_busy,
 }
 
 
@@ -108,12 +130,14 @@ def order_targets(
     *,
     stream: bool,
     rng: random.Random,
+    headroom: Mapping[str, float] | None = None,
 ) -> list[Target]:
     """``targets`` in the order ``strategy`` tries them for one call.
 
     ``health`` is the breaker's published snapshot (latencies); ``rng`` draws the
-    weighted order. Raises KeyError for an unknown strategy (config refuses those).
+    weighted order; ``headroom`` (deployment id → 0..1 left) orders ``least-busy``.
+    Raises KeyError for an unknown strategy (config refuses those).
     """
     if len(targets) < 2:
         return list(targets)
-    return STRATEGIES[strategy](targets, health, stream, rng)
+    return STRATEGIES[strategy](targets, health, stream, rng, headroom or {})

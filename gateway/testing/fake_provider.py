@@ -11,13 +11,16 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``POST /v1/messa
 wires answer with a tool call (until the last turn is the tool's result).  Failures are scripted through ``POST /_fake/script``
 (``{"steps": [step, ...]}``, a FIFO popped by each chat or messages request;
 ``DELETE`` clears it); ``GET /_fake/stats`` reports what was received and
-``POST /_fake/reset`` zeroes stats and script.  A step may hold ``status``
+``POST /_fake/reset`` zeroes stats and script; ``POST /_fake/models`` sets the status
+(and delay) of ``GET /v1/models``, for health probes.  A step may hold ``status``
 (with ``retry_after``), ``delay_ms``, ``hang``, ``cut_after_chunks``, ``garbage``
 (``"json"``, ``"content_type"`` or ``"huge_line"``, whose size ``line_bytes`` sets),
-``chunks`` and ``chunk_delay_ms``.  ``{"route": "models", "steps": [...]}`` fills a second
-FIFO, popped only by ``GET /v1/models`` (which honours ``delay_ms``, ``hang`` and
-``status``), so a model list can hang while chat calls go on.  Requests to ``/_fake/*``
-are not counted in the stats.
+``chunks``, ``chunk_delay_ms`` and ``headers`` (added to a whole or a status answer,
+e.g. ``x-ratelimit-remaining-requests``).  ``{"route": "models", "steps": [...]}`` fills a
+second FIFO, popped only by ``GET /v1/models`` (which honours ``delay_ms``, ``hang`` and
+``status``), so a model list can hang while chat calls go on; ``POST /_fake/models``
+sets how the model list answers from then on.  Requests to ``/_fake/*`` are not counted
+in the stats.
 
 Why one module of ~600 lines: one fake upstream process with its scripting API; tests and
 bench/ start it as ``python -m gateway.testing.fake_provider``.
@@ -75,6 +78,7 @@ _STEP_KEYS: Final[frozenset[str]] = frozenset(
         "chunks",
         "chunk_delay_ms",
         "line_bytes",
+        "headers",
     }
 )
 _MAX_BODY_BYTES: Final[int] = 64 * 1024 * 1024
@@ -119,6 +123,10 @@ class FakeState:
     last_path: str | None = None
     last_headers: CIMultiDictProxy[str] | None = None
     last_body: bytes = b""
+    #: Set by ``POST /_fake/models``: the status ``GET /v1/models`` answers (200: the
+    #: list) and a delay before it, so a health probe can be failed and healed.
+    models_status: int = 200
+    models_delay_ms: int = 0
 
     def reset(self) -> None:
         """Zero the statistics and clear the script (the id counter keeps going)."""
@@ -134,6 +142,8 @@ class FakeState:
         self.last_path = None
         self.last_headers = None
         self.last_body = b""
+        self.models_status = 200
+        self.models_delay_ms = 0
 
     async def record(self, request: web.Request) -> bytes:
         """Count ``request``, remember it as the last one and return its body."""
@@ -271,6 +281,9 @@ def _validate_step(step: Any) -> str | None:
         return f"garbage must be one of {sorted(_GARBAGE_KINDS)}"
     if "line_bytes" in step and not (is_int(step["line_bytes"]) and 1 <= step["line_bytes"] <= _MAX_BODY_BYTES):
         return "line_bytes must be a positive integer (the size of a huge_line)"
+    headers = step.get("headers", {})
+    if not (isinstance(headers, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in headers.items())):
+        return "headers must be an object of strings"
     return None
 
 
@@ -290,7 +303,7 @@ def _compressed(response: web.StreamResponse, config: FakeConfig) -> web.StreamR
 
 def _status_response(wire: _Wire, step: Mapping[str, Any]) -> web.Response:
     """Answer a scripted failure status (with ``Retry-After`` when asked)."""
-    headers: dict[str, str] = {}
+    headers: dict[str, str] = dict(step.get("headers") or {})
     retry_after = step.get("retry_after")
     if retry_after is not None:
         if isinstance(retry_after, float) and retry_after.is_integer():
@@ -427,7 +440,8 @@ async def _answer(request: web.Request, wire: _Wire) -> web.StreamResponse:
         if wire.anthropic:
             return _compressed(_json(anthropic_message(body, message_id=f"msg_fake_{n}")), config)
         return _compressed(_json(
-            completion(body, response_id=f"chatcmpl-fake-{n}", created=int(time.time()), cost=config.cost)
+            completion(body, response_id=f"chatcmpl-fake-{n}", created=int(time.time()), cost=config.cost),
+            headers=step.get("headers"),
         ), config)
     if wire.anthropic:
         events = anthropic_stream_events(body, message_id=f"msg_fake_{n}", n_chunks=chunks)
@@ -522,6 +536,8 @@ async def _models(request: web.Request) -> web.StreamResponse:
     try:
         if step.get("delay_ms"):
             await asyncio.sleep(_number(step, "delay_ms", 0) / 1000)
+        elif state.models_delay_ms:
+            await asyncio.sleep(state.models_delay_ms / 1000)
         if step.get("hang"):
             await asyncio.Event().wait()
     except asyncio.CancelledError:
@@ -529,6 +545,8 @@ async def _models(request: web.Request) -> web.StreamResponse:
         raise
     if "status" in step:
         return _status_response(_OPENAI, step)
+    if state.models_status != 200:
+        return _OPENAI.error(state.models_status, "model list unavailable (scripted)", "server_error", None)
     return _json(models_list(created=1_700_000_000))
 
 
@@ -537,6 +555,20 @@ async def _echo(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     raw = await state.record(request)
     return _json({"method": request.method, "query": dict(request.query), "body_bytes": len(raw)})
+
+
+async def _models_behaviour(request: web.Request) -> web.StreamResponse:
+    """``POST /_fake/models`` ``{"status": 503, "delay_ms": 0}``: how the model list answers
+    from now on (``{"status": 200}`` heals it)."""
+    state = request.app[STATE_KEY]
+    body = _loads(await request.read())
+    if not isinstance(body, dict):
+        return _json({"error": "expected a JSON object"}, 400)
+    status, delay = body.get("status", 200), body.get("delay_ms", 0)
+    if not (isinstance(status, int) and 100 <= status <= 599) or not (isinstance(delay, int) and delay >= 0):
+        return _json({"error": "status must be an HTTP status, delay_ms a non-negative integer"}, 400)
+    state.models_status, state.models_delay_ms = status, delay
+    return _json({"status": status, "delay_ms": delay})
 
 
 async def _script_add(request: web.Request) -> web.StreamResponse:
@@ -596,6 +628,7 @@ def make_app(config: FakeConfig | None = None) -> web.Application:
     app.router.add_delete("/_fake/script", _script_clear)
     app.router.add_get("/_fake/stats", _stats)
     app.router.add_post("/_fake/reset", _reset)
+    app.router.add_post("/_fake/models", _models_behaviour)
     return app
 
 
