@@ -275,7 +275,7 @@ async def test_every_worker_reloads(process_factory: Any, fake_factory: Any, api
     a, b = await fake_factory(), await fake_factory()
     gp = await process_factory(
         env={"ADMIN_TOKEN": ADMIN_TOKEN}, config_yaml=fleet_config({"a": a, "b": b}, [group("m", "a")]),
-        args=("--workers", "2"),
+        args=("--workers", "2", "--per-worker-limits"),  # memory limits: each worker its own
     )
     path = Path(gp.env["GATEWAY_CONFIG"])
     async with aiohttp.ClientSession() as session:
