@@ -88,7 +88,9 @@ async def fill(conn: asyncpg.Connection, rows: int, days: int, n_keys: int, batc
                 f"{provider}/{model}", prompt, completion, False,
                 Decimal(prompt * 3 + completion * 15) / 1_000_000, None, "price", 0.5, None,
                 200 if rng.random() > 0.02 else 502, "ok", rng.random() < 0.6, 0, 0, None, "stop", created,
+                "chat", None,  # protocol, guardrails
             ))
+            assert len(records[-1]) == len(LEDGER_COLUMNS), "a ledger column was added: fill it here too"
         await conn.copy_records_to_table("usage_ledger", records=records, columns=list(LEDGER_COLUMNS))
         print(f"\r  filled {done + len(records):>9,} rows", end="", flush=True)
     elapsed = time.perf_counter() - start
