@@ -15,7 +15,7 @@ from gateway.core.config import ConfigError, Deployment, load_config, load_setti
 from gateway.relay.headroom import DeploymentLimits, parse_reset
 from gateway.relay.routing import Target
 from gateway.relay.strategies import order_targets
-from tests.conftest import FakeUpstream, auth, chat_body
+from tests.conftest import FakeUpstream, auth, chat_body, free_port
 from tests.fleet import fleet_config, records, served_by
 
 
@@ -193,3 +193,12 @@ async def test_a_reload_changes_rpm_at_once(gateway_factory: Any, fake_factory: 
     assert resp.status == 200
     assert [(await chat(gw, api_key)).status for _ in range(3)] == [200] * 3
     assert await served_by(a, b) == [3, 2]  # one more on a (its new minute), then b
+
+
+async def test_an_unreachable_store_lets_calls_through() -> None:
+    limits = DeploymentLimits(redis_url=f"redis://127.0.0.1:{free_port()}/0", timeout=0.2)
+    d = Deployment(provider="p", model="m", rpm=1)
+    try:
+        assert [await limits.take(d) for _ in range(3)] == [None, None, None]  # the provider's 429 decides
+    finally:
+        await limits.close()

@@ -14,6 +14,9 @@ import aiohttp
 import orjson
 import pytest
 
+from gateway.core.config import Deployment as Dep
+from gateway.core.config import GatewayConfig, ModelGroup, ProviderConfig, load_settings
+from gateway.edge.reload import ProviderPools
 from tests.conftest import auth, chat_body
 from tests.fleet import fleet_config, records, served_by
 
@@ -296,3 +299,54 @@ async def test_every_worker_reloads(process_factory: Any, fake_factory: Any, api
         statuses = [await _chat(session, gp.url, api_key, "m") for _ in range(12)]
     assert statuses == [200] * 12
     assert await served_by(a, b) == [0, 12]  # whichever worker took it, the new route
+
+
+async def test_a_reload_changes_the_per_ip_guard_at_once(gateway_factory: Any, fake_factory: Any, api_key: str) -> None:
+    a = await fake_factory()
+    gw = await gateway_factory(
+        env={"ADMIN_TOKEN": ADMIN_TOKEN},
+        config_yaml=fleet_config({"a": a}, [group("m", "a")], rate_limits={"per_ip": "off"}),
+    )
+
+    async def statuses() -> list[int]:
+        out = []
+        for _ in range(3):
+            resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))
+            await resp.read()
+            out.append(resp.status)
+        return out
+
+    assert await statuses() == [200, 200, 200]
+    config_path(gw).write_text(fleet_config(
+        {"a": a}, [group("m", "a")], rate_limits={"per_ip": "1/minute", "per_ip_burst": 0},
+    ))
+    status, body = await reload(gw)
+    assert status == 200 and body["needs_restart"] == []
+    assert await statuses() == [200, 429, 429]
+
+
+async def test_replaced_providers_stay_open_until_every_older_request_is_done() -> None:
+    def config(*names: str) -> GatewayConfig:
+        return GatewayConfig(
+            providers={n: ProviderConfig(name=n, type="mock") for n in names},
+            models=(ModelGroup(name="m", deployments=tuple(Dep(provider=n, model="m") for n in names)),),
+        )
+
+    pools = ProviderPools(load_settings({"DATABASE_URL": "postgresql://x/y"}))
+    first = pools.build(config("x", "y"))
+    old_request = pools.enter()  # a stream of generation 1, still open
+    second = pools.build(config("y"), keep=first)
+    pools.retire(first, second)  # x is gone from generation 2
+    newer_request = pools.enter()
+    third = pools.build(config("z"), keep=second)
+    pools.retire(second, third)  # y is gone from generation 3
+    await asyncio.sleep(0)
+    assert second["y"] is first["y"]  # unchanged: the same object
+    assert not pools.closed(first["x"]) and not pools.closed(first["y"])
+    pools.leave(newer_request)  # generation 2 drained, but generation 1 still runs (and used y)
+    await asyncio.sleep(0.01)
+    assert not pools.closed(first["x"]) and not pools.closed(first["y"])
+    pools.leave(old_request)
+    await asyncio.sleep(0.01)
+    assert pools.closed(first["x"]) and pools.closed(first["y"]) and not pools.closed(third["z"])
+    await pools.close_all()

@@ -39,6 +39,8 @@ log = logging.getLogger("gateway.headroom")
 
 #: The window of ``rpm`` and ``tpm``.
 MINUTE = 60
+#: Seconds between two warnings about an unreachable store.
+WARN_EVERY = 10.0
 
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?(?:(\d+(?:\.\d+)?)s)?(?:(\d+(?:\.\d+)?)ms)?")
 
@@ -108,6 +110,7 @@ class DeploymentLimits:
         self._reports: dict[tuple[str, str], ProviderReport] = {}
         #: Deployment id → its ``tpm`` as last routed to (a reload may change it).
         self._tpm: dict[str, int] = {}
+        self._quiet_until = 0.0
         #: Where windows are counted (``redis`` or ``memory``), for docs and /admin.
         self.store = "redis" if self._redis is not None else "memory"
 
@@ -159,8 +162,15 @@ class DeploymentLimits:
                 seen.requests_left = stats.remaining
             seen.at = now
         except STORAGE_ERRORS as exc:
-            log.warning("deployment limits of %s not counted (%s): the provider's 429 decides", deployment.id, exc)
+            self._warn(f"deployment limits of {deployment.id} not counted ({exc}): the provider's 429 decides")
         return None
+
+    def _warn(self, message: str) -> None:
+        """One warning per ``WARN_EVERY`` seconds: an outage must not flood the log."""
+        now = time.monotonic()
+        if now >= self._quiet_until:
+            self._quiet_until = now + WARN_EVERY
+            log.warning(message)
 
     def _reported_wait(self, deployment_id: str, now: float) -> float | None:
         waits = [
@@ -197,7 +207,7 @@ class DeploymentLimits:
         try:
             await self._shared.add(self._item(tpm), "tokens", deployment_id, amount=tokens)
         except STORAGE_ERRORS as exc:
-            log.warning("tokens of %s not counted (%s)", deployment_id, exc)
+            self._warn(f"tokens of {deployment_id} not counted ({exc})")
             return
         seen = self._seen.setdefault(deployment_id, _Seen())
         if seen.tokens_left is not None:
