@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from aiohttp import web
 
@@ -44,6 +44,9 @@ from gateway.http.state import STATE, GatewayState
 from gateway.protocols.anthropic_stream import StreamBroken
 from gateway.providers.base import ProviderError, UpstreamReply, UpstreamTimeoutError
 from gateway.relay.routing import Route, Target
+
+if TYPE_CHECKING:
+    from actors.auth import VerifiedKey
 
 __all__ = ["SSE_HEADERS", "Inbound", "Parsed", "StreamCut", "StreamRelay", "serve"]
 
@@ -107,9 +110,15 @@ class Inbound:
     name: ClassVar[str] = "chat"
     #: Whether the response cache serves this protocol.
     cacheable: ClassVar[bool] = False
+    #: Whether :meth:`prepare` must run (it may read state, e.g. a stored conversation).
+    prepares: ClassVar[bool] = False
 
     def parse(self, body: dict[str, Any], request: web.Request) -> Parsed:
         raise NotImplementedError
+
+    async def prepare(self, parsed: Parsed, key: VerifiedKey, request: web.Request) -> Parsed:
+        """The request completed with what only the key's subject may read (before routing)."""
+        return parsed
 
     def answer(self, reply: UpstreamReply, answer: dict[str, Any] | None, parsed: Parsed) -> web.Response:
         """A whole answer in the internal shape (``reply.wire == "chat"``), for the client."""
@@ -135,6 +144,8 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
     # Released by the rate-limit middleware on every path; it charges record's usage then.
     permit = await admit(request, key)
     parsed = protocol.parse(await read_json_body(request, state.settings.body_limit), request)
+    if protocol.prepares:
+        parsed = await protocol.prepare(parsed, key, request)
     model, stream, body = parsed.model, parsed.stream, parsed.body
     route = state.router.resolve(model, key.policy.allowed_models)
     cache = None if state.cache is None or not protocol.cacheable else state.cache.ticket(
