@@ -124,7 +124,7 @@ class Inbound:
         """A whole answer in the internal shape (``reply.wire == "chat"``), for the client."""
         raise NotImplementedError
 
-    def native_answer(self, reply: UpstreamReply, record: CallRecord) -> web.Response:
+    def native_answer(self, reply: UpstreamReply, record: CallRecord, parsed: Parsed) -> web.Response:
         """A whole answer in this protocol's own shape, relayed; the record filled from it."""
         raise NotImplementedError
 
@@ -208,7 +208,7 @@ async def _whole(
     if not reply.ok:
         record.outcome = "provider_error"
     if reply.wire != "chat":
-        return protocol.native_answer(reply, record)
+        return protocol.native_answer(reply, record, parsed)
     answer = _settle_answer(state, reply, record, target)
     response = protocol.answer(reply, answer, parsed)
     if cache is not None:

@@ -20,6 +20,7 @@ The response cache does not serve this route (its entries are chat answers).
 from __future__ import annotations
 
 import dataclasses
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -29,16 +30,17 @@ import orjson
 from aiohttp import web
 
 from gateway.core.errors import GatewayError, InvalidRequest, NotFound, UpstreamUnavailable
-from gateway.core.usage import CallRecord, StreamTap
+from gateway.core.usage import CallRecord, StreamTap, Usage
 from gateway.edge import telemetry
 from gateway.edge.chat import settle_from_tap
+from gateway.edge.dispatch import NativeCall
 from gateway.edge.pipeline import Inbound, Parsed, StreamCut, StreamRelay, serve
 from gateway.edge.ratelimit import admit
 from gateway.edge.response_store import ResponseStore, StoredResponse
 from gateway.http.bodies import bearer_token
 from gateway.http.state import STATE, GatewayState
 from gateway.protocols.responses import input_items, new_id, to_chat_request, to_response
-from gateway.protocols.responses_stream import EventsFromChunks
+from gateway.protocols.responses_stream import EventsFromChunks, NativeEventsTap, failed_event
 from gateway.protocols.sse import event_data
 from gateway.providers.base import UpstreamReply
 
@@ -51,6 +53,8 @@ RESPONSE_STORE = web.AppKey("response_store", ResponseStore)
 _JSON = {"Content-Type": "application/json"}
 #: Stored items that are the model's own output, fed back as the next turn's input.
 _REPLAYED_OUTPUT = frozenset({"message", "function_call"})
+#: Item fields that are the gateway's (or an earlier deployment's) bookkeeping, not input.
+_NOT_INPUT = ("id", "status")
 
 
 @dataclass(slots=True)
@@ -67,6 +71,11 @@ class _Call:
     saver: ResponseStore | None = field(default=None, repr=False)
 
     def keep(self, response: dict[str, Any]) -> None:
+        """Store ``response`` (behind the answer) when the client asked for it."""
+        if response.get("status") not in ("completed", "incomplete") or not isinstance(response.get("id"), str):
+            return
+        response["store"] = self.store
+        response["previous_response_id"] = self.body.get("previous_response_id")
         if self.store and self.saver is not None and self.subject_id is not None and self.api_key_id is not None:
             self.saver.save(self.subject_id, self.api_key_id, response, self.conversation)
 
@@ -79,6 +88,23 @@ class _ResponsesParsed(Parsed):
 def _call_of(parsed: Parsed) -> _Call:
     assert isinstance(parsed, _ResponsesParsed) and parsed.call is not None
     return parsed.call
+
+
+def _native(call: _Call, chat_error: GatewayError | None) -> NativeCall:
+    """The request a deployment serving ``/responses`` gets: the client's, holding no state
+    upstream (the gateway stores it), the whole conversation after a previous response."""
+    body = {k: v for k, v in call.body.items() if k != "previous_response_id"}
+    body["store"] = False
+    if call.body.get("previous_response_id") is not None:
+        body["input"] = [{k: v for k, v in item.items() if k not in _NOT_INPUT} for item in call.conversation]
+    return NativeCall(body=body, protocol="responses", chat_error=chat_error)
+
+
+def _usage_of(response: dict[str, Any] | None) -> Usage | None:
+    usage = response.get("usage") if isinstance(response, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    return Usage(prompt_tokens=int(usage.get("input_tokens") or 0), completion_tokens=int(usage.get("output_tokens") or 0))
 
 
 def _replayed(stored: StoredResponse) -> list[dict[str, Any]]:
@@ -125,6 +151,45 @@ class _ResponsesRelay(StreamRelay):
             self.call.keep(self.framer.response)
 
 
+class _NativeRelay(StreamRelay):
+    """A Responses deployment's events, relayed unchanged and read on the way."""
+
+    unfinished = "upstream closed the stream before response.completed"
+
+    def __init__(self, call: _Call) -> None:
+        self.tap = NativeEventsTap(call.response_id)
+        self.call = call
+
+    def feed(self, event: bytes) -> bytes | None:
+        out = self.tap.inspect(event, time.monotonic())
+        if self.tap.error is not None:
+            self.told = True  # the deployment's own failure event reaches the client as it is
+        return out
+
+    @property
+    def done(self) -> bool:
+        return self.tap.done
+
+    def error_event(self, error: GatewayError) -> bytes:
+        return failed_event(self.call.response_id, self.call.body, self.tap.last_sequence + 1,
+                            error.error_code or error.type, error.message)
+
+    def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
+        tap = self.tap
+        if tap.first_event_at is not None:
+            record.ttft = tap.first_event_at - started
+        record.chunks = tap.events
+        response = tap.response
+        usage = _usage_of(response)
+        record.usage = usage if usage is not None else Usage(prompt_tokens=prompt_estimate, estimated=True)
+        record.response_id = tap.upstream_id
+        if response is not None:
+            record.served_model = response.get("model") or record.served_model
+            self.call.keep(response)
+        if tap.error is not None:
+            record.error_type = tap.error[:64]
+
+
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
     value = body.get(name, default)
     if value is None:
@@ -155,8 +220,12 @@ class OpenAIResponses(Inbound):
         items = input_items(body.get("input"))
         call = _Call(body=body, response_id=new_id("resp"), conversation=items, store=store)
         # Validated here (400 before any state is read); rebuilt in prepare() with history.
-        chat = to_chat_request(body, items)
-        return _ResponsesParsed(model=model, stream=stream, body=chat, call=call)
+        try:
+            chat, chat_error = to_chat_request(body, items), None
+        except InvalidRequest as exc:
+            # Only a deployment serving /responses can take it: dispatch sends it to those alone.
+            chat, chat_error = {"model": model, "messages": []}, exc
+        return _ResponsesParsed(model=model, stream=stream, body=chat, call=call, native=_native(call, chat_error))
 
     async def prepare(self, parsed: Parsed, key: VerifiedKey, request: web.Request) -> Parsed:
         call = _call_of(parsed)
@@ -170,7 +239,9 @@ class OpenAIResponses(Inbound):
             raise InvalidRequest(f"Previous response with id '{previous}' not found.",
                                  code="previous_response_not_found")
         call.conversation = [*stored.input_items, *_replayed(stored), *call.conversation]
-        return dataclasses.replace(parsed, body=to_chat_request(call.body, call.conversation))
+        chat_error = parsed.native.chat_error if parsed.native is not None else None
+        chat = parsed.body if chat_error is not None else to_chat_request(call.body, call.conversation)
+        return dataclasses.replace(parsed, body=chat, native=_native(call, chat_error))
 
     def answer(self, reply: UpstreamReply, answer: dict[str, Any] | None, parsed: Parsed) -> web.Response:
         if not reply.ok:  # the provider's own error: its status and body, as on chat
@@ -182,7 +253,26 @@ class OpenAIResponses(Inbound):
         call.keep(response)
         return web.Response(status=200, body=orjson.dumps(response), headers=_JSON)
 
+    def native_answer(self, reply: UpstreamReply, record: CallRecord, parsed: Parsed) -> web.Response:
+        try:
+            response = orjson.loads(reply.body) if reply.ok else None
+        except orjson.JSONDecodeError:
+            response = None
+        if not isinstance(response, dict):
+            return web.Response(status=reply.status, body=reply.body, headers=dict(reply.headers))
+        usage = _usage_of(response)
+        if usage is not None:
+            record.usage = usage
+        call = _call_of(parsed)
+        record.response_id = response.get("id")  # the deployment's, for the ledger
+        record.served_model = response.get("model") or record.served_model
+        response["id"] = call.response_id  # the client sees (and continues from) the gateway's
+        call.keep(response)  # the client's store and previous_response_id, not ours upstream
+        return web.Response(status=reply.status, body=orjson.dumps(response), headers=_JSON)
+
     def unstreamed(self, reply: UpstreamReply) -> web.Response:
+        if reply.wire != "chat":
+            return web.Response(status=reply.status, body=reply.body, headers=dict(reply.headers))
         if reply.ok:
             raise UpstreamUnavailable("upstream answered a whole body to a stream request")
         return web.Response(status=reply.status, body=reply.body,
@@ -190,6 +280,8 @@ class OpenAIResponses(Inbound):
 
     def relay(self, reply: UpstreamReply, parsed: Parsed, keep_text: bool, prompt_estimate: int) -> StreamRelay:
         call = _call_of(parsed)
+        if reply.wire != "chat":
+            return _NativeRelay(call)
         framer = EventsFromChunks(call.response_id, call.body, model=parsed.model)
         return _ResponsesRelay(StreamTap(client_wants_usage=True, keep_text=keep_text), framer, call,
                                prompt_estimate)

@@ -21,8 +21,26 @@ from typing import Any
 import orjson
 
 from gateway.protocols.responses import as_object, new_id, response_object, response_usage
+from gateway.protocols.sse import event_data
 
-__all__ = ["EventsFromChunks"]
+__all__ = ["END_EVENTS", "EventsFromChunks", "NativeEventsTap", "encode_event", "failed_event", "is_response_end"]
+
+#: The events after which a Responses stream has nothing more to say.
+END_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+
+
+def encode_event(kind: str, sequence_number: int, payload: dict[str, Any]) -> bytes:
+    """One typed event, framed as OpenAI frames it (``event:`` line, then ``data:``)."""
+    data = orjson.dumps({"type": kind, "sequence_number": sequence_number, **payload})
+    return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def failed_event(response_id: str, body: Mapping[str, Any], sequence_number: int, code: str, message: str,
+                 *, model: str = "") -> bytes:
+    """A ``response.failed`` event for a stream the gateway has to end."""
+    response = response_object(response_id, body, model=model or str(body.get("model") or ""), status="failed",
+                               error={"code": code, "message": message})
+    return encode_event("response.failed", sequence_number, {"response": response})
 
 
 class EventsFromChunks:
@@ -47,9 +65,9 @@ class EventsFromChunks:
         self.response: dict[str, Any] | None = None
 
     def _event(self, kind: str, payload: dict[str, Any]) -> bytes:
-        data = orjson.dumps({"type": kind, "sequence_number": self.sequence, **payload})
+        event = encode_event(kind, self.sequence, payload)
         self.sequence += 1
-        return b"event: " + kind.encode() + b"\ndata: " + data + b"\n\n"
+        return event
 
     def _snapshot(self, status: str, **extra: Any) -> dict[str, Any]:
         return response_object(self.response_id, self.body, model=self.model, created_at=self.created_at,
@@ -172,3 +190,70 @@ class EventsFromChunks:
         out = [] if self.started else self._start({})
         self.response = self._snapshot("failed", usage=self.usage, error={"code": code, "message": message})
         return b"".join([*out, self._event("response.failed", {"response": self.response})])
+
+
+def _event_object(event: bytes) -> dict[str, Any] | None:
+    data = event_data(event)
+    if data is None:
+        return None
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
+def is_response_end(event: bytes) -> bool:
+    """Whether ``event`` is a Responses stream's last (completed, incomplete or failed)."""
+    if b"response." not in event:
+        return False
+    obj = _event_object(event)
+    return obj is not None and obj.get("type") in END_EVENTS
+
+
+class NativeEventsTap:
+    """Reads a Responses stream relayed as its deployment sent it: the final response
+    (with its usage), whether it ended, and a failure's code. The events carrying the
+    whole response get the gateway's response id in place of the deployment's, so a
+    client only ever sees ids the gateway stores."""
+
+    def __init__(self, response_id: str) -> None:
+        self.response_id = response_id
+        self.first_event_at: float | None = None
+        self.events = 0
+        #: The deployment's own id (for the ledger) and last sequence number (for an event
+        #: the gateway adds).
+        self.upstream_id: str | None = None
+        self.last_sequence = -1
+        self.response: dict[str, Any] | None = None
+        self.done = False
+        self.error: str | None = None
+
+    def inspect(self, event: bytes, now: float) -> bytes:
+        """Account for one event; the event to relay."""
+        if self.first_event_at is None:
+            self.first_event_at = now
+        self.events += 1
+        obj = _event_object(event)
+        if obj is None:
+            return event
+        if isinstance(obj.get("sequence_number"), int):
+            self.last_sequence = obj["sequence_number"]
+        kind = obj.get("type")
+        if kind == "error":
+            self.error = str(obj.get("code") or "error")
+            return event
+        response = obj.get("response")
+        if not isinstance(response, dict):
+            return event
+        self.upstream_id = self.upstream_id or response.get("id")
+        response["id"] = self.response_id
+        if kind in END_EVENTS:
+            self.done = True
+            self.response = response
+            if kind == "response.failed":
+                failure = response.get("error")
+                self.error = str(failure.get("code") or "failed") if isinstance(failure, dict) else "failed"
+        return encode_event(str(kind), obj["sequence_number"], {
+            k: v for k, v in obj.items() if k not in ("type", "sequence_number")}) if isinstance(
+            obj.get("sequence_number"), int) else event
