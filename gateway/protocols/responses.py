@@ -198,7 +198,7 @@ def _response_format(text: Any) -> dict[str, Any] | None:
 
 def input_items(value: Any) -> list[dict[str, Any]]:
     """The request's ``input`` as a list of items, each with an id (as stored and listed)."""
-    if isinstance(value, str):
+    if isinstance(value, str) and value:
         value = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": value}]}]
     if not isinstance(value, list) or not value:
         raise InvalidRequest("'input' must be a non-empty string or a non-empty list of items", code="invalid_input")
