@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from decimal import Decimal
 from typing import Any
 
 import openai
@@ -14,7 +15,7 @@ import pytest
 from gateway.core.errors import InvalidRequest
 from gateway.protocols.responses import input_items, to_chat_request, to_response
 from gateway.protocols.responses_stream import EventsFromChunks
-from tests.conftest import FakeUpstream, Gateway, auth, config_for
+from tests.conftest import FakeUpstream, Gateway, auth, config_for, pair_config
 from tests.fleet import records
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
@@ -270,3 +271,64 @@ def test_the_stream_framer_numbers_every_event() -> None:
     final = events[-1]["response"]
     assert [i["type"] for i in final["output"]] == ["message", "function_call"]
     assert final["output"][1]["arguments"] == "{\"a\":1}" and final["usage"]["total_tokens"] == 3
+
+
+async def test_budgets_failover_metrics_and_request_ids_hold_on_this_route(
+    gateway_factory: Any, fake_factory: Any, key_factory: Any, api_key: str
+) -> None:
+    first, second = await fake_factory(), await fake_factory()
+    gw = await gateway_factory(config_yaml=pair_config(first.url, second.url))
+    calls = records(gw)
+    await first.script({"status": 503}, {"status": 503}, {"status": 503})
+    stream = await client(gw, api_key).responses.create(model="pair", input="fail over", stream=True,
+                                                        extra_headers={"x-request-id": "resp-failover-1"})
+    events = [event async for event in stream]
+    assert events[-1].type == "response.completed" and calls[-1].deployment == "second/m2"
+    assert calls[-1].failovers == 1 and calls[-1].request_id == "resp-failover-1"
+    raw = await client(gw, api_key).responses.with_raw_response.create(
+        model="pair", input="x", extra_headers={"x-request-id": "resp-id-2"})
+    assert raw.headers["x-request-id"] == "resp-id-2" and raw.headers["x-ratelimit-limit-requests"]
+    broke, _ = await key_factory(budget_usd=Decimal("0"), budget_period="total")
+    with pytest.raises(openai.APIStatusError) as spent:
+        await client(gw, broke).responses.create(model="pair", input="x")
+    assert spent.value.status_code == 402 and spent.value.code == "budget_exceeded"
+    metrics = await (await gw.management.get("/metrics")).text()
+    assert 'gateway_requests_total{route="/v1/responses",status="200"}' in metrics
+
+
+async def test_a_client_gone_cancels_the_upstream(gateway: Gateway, fake: FakeUpstream, api_key: str) -> None:
+    calls = records(gateway)
+    await fake.script({"chunk_delay_ms": 300})
+    resp = await gateway.data.post("/v1/responses", json={"model": "m", "input": "a b c d e f g h", "stream": True},
+                                   headers=auth(api_key))
+    assert resp.status == 200 and b"response.created" in await resp.content.readuntil(b"\n\n")
+    resp.close()
+    for _ in range(40):
+        if (await fake.stats())["streams_cancelled"]:
+            break
+        await asyncio.sleep(0.05)
+    assert (await fake.stats())["streams_cancelled"] == 1
+    for _ in range(40):
+        if calls and calls[-1].outcome == "cancelled":
+            break
+        await asyncio.sleep(0.05)
+    assert calls[-1].outcome == "cancelled"
+
+
+async def test_storing_never_delays_the_answer(gateway: Gateway, api_key: str, db_pool: Any) -> None:
+    api = client(gateway, api_key)
+    async with db_pool.acquire() as conn:
+        transaction = conn.transaction()
+        await transaction.start()
+        await conn.execute("LOCK TABLE stored_responses IN ACCESS EXCLUSIVE MODE")  # every write waits
+        try:
+            made = await asyncio.wait_for(api.responses.create(model="m", input="quick"), timeout=5)
+            stream = await asyncio.wait_for(api.responses.create(model="m", input="quick too", stream=True), 5)
+            streamed = [event async for event in stream]
+            assert made.output_text and streamed[-1].type == "response.completed"
+            assert await conn.fetchval("SELECT count(*) FROM stored_responses WHERE id = $1", made.id) == 0
+        finally:
+            await transaction.rollback()
+    # The writes land once the table is free again.
+    assert (await api.responses.retrieve(made.id)).id == made.id
+    assert (await api.responses.retrieve(streamed[-1].response.id)).status == "completed"  # type: ignore[union-attr]
