@@ -45,7 +45,7 @@ async def test_a_whole_response(gateway: Gateway, fake: FakeUpstream, api_key: s
     sent = (await fake.stats())["last_request"]
     assert sent["path"] == "/v1/chat/completions"
     assert sent["body"]["messages"] == [{"role": "system", "content": "Be brief."},
-                                        {"role": "user", "content": [{"type": "text", "text": "Say hello there"}]}]
+                                        {"role": "user", "content": "Say hello there"}]
     assert sent["body"]["max_tokens"] == 50 and sent["body"]["temperature"] == 0 and "metadata" not in sent["body"]
     assert await gateway.state.billing.flush()
     row = await db_pool.fetchrow("SELECT * FROM usage_ledger WHERE request_id = 'resp-whole-1'")
@@ -90,7 +90,7 @@ async def test_function_tools_and_a_follow_up_with_previous_response_id(
     # The upstream got the rebuilt conversation: earlier input, earlier output, new input.
     messages = (await fake.stats())["last_request"]["body"]["messages"]
     assert messages == [
-        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}]},
         {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21C"},

@@ -113,8 +113,8 @@ def _message(item: Mapping[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(content, list):
         raise InvalidRequest(f"{where}.content: must be a string or a list of parts", code="invalid_input")
     parts = [_chat_part(p, f"{where}.content[{j}]") for j, p in enumerate(content)]
-    if role != "user" and all(p["type"] == "text" for p in parts):
-        # Only user messages may carry images in chat; others take plain text.
+    if all(p["type"] == "text" for p in parts):
+        # Text only: a plain string, what every chat server (and every role) accepts.
         return {"role": role, "content": "".join(p["text"] for p in parts)}
     return {"role": role, "content": parts}
 
