@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from gateway.core.errors import InvalidRequest
+from gateway.edge.response_store import ResponseStore
 from gateway.protocols.responses import input_items, to_chat_request, to_response
 from gateway.protocols.responses_stream import EventsFromChunks
 from tests.conftest import FakeUpstream, Gateway, auth, config_for, pair_config
@@ -332,3 +333,37 @@ async def test_storing_never_delays_the_answer(gateway: Gateway, api_key: str, d
     # The writes land once the table is free again.
     assert (await api.responses.retrieve(made.id)).id == made.id
     assert (await api.responses.retrieve(streamed[-1].response.id)).status == "completed"  # type: ignore[union-attr]
+
+
+async def test_retention_sets_the_expiry_and_an_expired_response_is_gone(
+    gateway_factory: Any, fake: FakeUpstream, api_key: str, db_pool: Any
+) -> None:
+    gw = await gateway_factory(env={"RESPONSES_RETENTION_DAYS": "2"}, config_yaml=config_for(fake.url))
+    api = client(gw, api_key)
+    made = await api.responses.create(model="m", input="keep me two days")
+    assert (await api.responses.retrieve(made.id)).id == made.id
+    kept = await db_pool.fetchval("SELECT expires_at - created_at FROM stored_responses WHERE id = $1", made.id)
+    assert abs(kept.total_seconds() - 2 * 86400) < 5
+    await db_pool.execute("UPDATE stored_responses SET expires_at = now() - interval '1 second' WHERE id = $1",
+                          made.id)
+    with pytest.raises(openai.NotFoundError):
+        await api.responses.retrieve(made.id)
+    with pytest.raises(openai.BadRequestError) as expired:
+        await api.responses.create(model="m", input="next", previous_response_id=made.id)
+    assert expired.value.code == "previous_response_not_found"
+
+
+async def test_the_store_purges_expired_rows_and_keeps_the_rest(db_pool: Any) -> None:
+    subject, key = uuid.uuid4(), uuid.uuid4()
+    await db_pool.execute(
+        "INSERT INTO stored_responses (id, subject_id, api_key_id, response, input_items, expires_at)"
+        " VALUES ('resp_old', $1, $2, '{}', '[]', now() - interval '1 day')", subject, key)
+    store = ResponseStore(db_pool, retention_days=1, purge_every=2)
+    for n in range(2):
+        store.save(subject, key, {"id": f"resp_new_{n}", "status": "completed"}, [])
+    await store.close()
+    ids = {r["id"] for r in await db_pool.fetch("SELECT id FROM stored_responses WHERE subject_id = $1", subject)}
+    assert ids == {"resp_new_0", "resp_new_1"}
+    loaded = await store.load("resp_new_1", subject)
+    assert loaded is not None and loaded.response["status"] == "completed"
+    assert await store.load("resp_new_1", uuid.uuid4()) is None  # another subject

@@ -139,3 +139,18 @@ async def test_an_anthropic_deployment_through_the_chat_translation(
     assert events[-1].type == "response.completed" and events[-1].response.output_text  # type: ignore[union-attr]
     sent = await upstream(claude)
     assert [m["role"] for m in sent["body"]["messages"]] == ["user", "assistant", "user"]
+
+
+def test_responses_api_is_an_openai_provider_setting_and_retention_a_number(tmp_path: Any) -> None:
+    from gateway.core.config import ConfigError, load_config, load_settings
+
+    path = tmp_path / "gateway.yaml"
+    path.write_text("providers:\n  c: {type: anthropic, api_key: k, responses_api: true}\n"
+                    "models: [{name: m, deployments: [{provider: c, model: x}]}]\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(load_settings({"GATEWAY_CONFIG": str(path)}), {"GATEWAY_CONFIG": str(path)})
+    assert str(refused.value).startswith("providers.c.responses_api: ")
+    assert load_settings({"RESPONSES_RETENTION_DAYS": "7"}).responses_retention_days == 7.0
+    with pytest.raises(ConfigError) as bad:
+        load_settings({"RESPONSES_RETENTION_DAYS": "0"})
+    assert str(bad.value).startswith("RESPONSES_RETENTION_DAYS: ")

@@ -5,7 +5,7 @@ the answer. Until the row is written, this process's own readers wait for that t
 (a follow-up sent the moment an answer arrived finds it); every other replica reads
 the row once it is committed. Rows are per subject: another subject's id reads as
 absent. Rows older than ``RESPONSES_RETENTION_DAYS`` are never read, and are purged
-every :data:`PURGE_EVERY` stores. A failed store is logged and the answer stands.
+every :data:`PURGE_EVERY` stores (by whichever replica makes them). A failed store is logged and the answer stands.
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ class StoredResponse:
 class ResponseStore:
     """Writes answers behind the response, reads them for retrieve and follow-ups."""
 
-    def __init__(self, pool: asyncpg.Pool, *, retention_days: float) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, retention_days: float, purge_every: int = PURGE_EVERY) -> None:
         self._pool = pool
+        self._purge_every = purge_every
         self._retention_seconds = retention_days * 86400.0
         self._pending: dict[str, asyncio.Task[None]] = {}
         self._stores = 0
@@ -76,7 +77,7 @@ class ResponseStore:
                 await conn.execute(_INSERT, response["id"], subject_id, api_key_id,
                                    orjson.dumps(response).decode(), orjson.dumps(input_items).decode(),
                                    self._retention_seconds)
-                if self._stores % PURGE_EVERY == 0:
+                if self._stores % self._purge_every == 0:
                     await conn.execute(_PURGE)
         except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             log.warning("response %s not stored: %s: %s", response["id"], type(exc).__name__, exc)
