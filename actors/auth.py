@@ -173,6 +173,8 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
         self._listen_task: asyncio.Task[None] | None = None
         self._flush_task: asyncio.Task[None] | None = None
         self.listening = False
+        #: LISTEN connections that could not be opened (``gateway_background_failures_total``).
+        self.listen_failures = 0
 
     async def on_start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -336,13 +338,24 @@ class AuthActor(Actor[Authenticate | Touch | Evict]):
     # -- background loops (run as plain tasks; talk to the loop via internal messages) --
     async def _keep_listening(self) -> None:
         last_full_check = time.monotonic()
+        failing = False
         while True:
             try:
                 conn = await asyncpg.connect(self._dsn, timeout=5)
             except Exception as exc:  # noqa: BLE001 - any failure means "retry later"
-                log.debug("LISTEN connect failed: %r", exc)
+                self.listen_failures += 1
+                # WARNING once per outage (then DEBUG every retry): revocations from other
+                # replicas are not heard meanwhile (also /readyz and a metric).
+                if failing:
+                    log.debug("LISTEN connect failed again: %r", exc)
+                else:
+                    log.warning("key invalidation: LISTEN connect failed, retrying: %s: %s", type(exc).__name__, exc)
+                failing = True
                 await asyncio.sleep(RECONNECT_SECONDS)
                 continue
+            if failing:
+                log.warning("key invalidation: LISTEN connected again")
+            failing = False
             lost = asyncio.Event()
             self._listener = conn
             try:
@@ -406,6 +419,17 @@ class AuthHandle:
         self._ref = ref
         self._view = actor.view
 
+    def answers_from_cache(self, token: str | None) -> bool:
+        """Would :meth:`authenticate` decide ``token`` without a database lookup?
+
+        True for a token whose key is cached (valid or not for this secret): the per-IP
+        guard spends its budget of failed attempts only on requests that may cost one.
+        """
+        return (
+            token is not None and KEY_PREFIX_LEN + 4 <= len(token) <= MAX_TOKEN_LEN
+            and token[:KEY_PREFIX_LEN] in self._view
+        )
+
     async def authenticate(self, token: str | None) -> VerifiedKey:
         """The key for ``token``, or Unauthenticated. Never touches the database if cached."""
         if not token:
@@ -428,6 +452,10 @@ class AuthHandle:
     @property
     def listening(self) -> bool:
         return self._actor.listening
+
+    @property
+    def listen_failures(self) -> int:
+        return self._actor.listen_failures
 
     @property
     def ref(self) -> ActorRef[Any]:

@@ -209,6 +209,10 @@ class BillingActor(Actor[Record | Flush | Spend | Settle]):
         self.overflowed = 0
         self.ship_failures = 0
         self.ledger_reachable = True
+        #: Spend refreshes from the ledger that failed, and since when they keep failing
+        #: (monotonic; None while they succeed): budgets shared across replicas go stale.
+        self.refresh_failures = 0
+        self.refresh_failing_since: float | None = None
         self.refreshed_at: float | None = None
 
     # -- lifecycle ------------------------------------------------------------------------
@@ -449,8 +453,17 @@ class BillingActor(Actor[Record | Flush | Spend | Settle]):
             async with asyncio.timeout(self._ship_timeout):
                 snapshot = await fetch_spend(self._pool)
         except Exception as exc:  # noqa: BLE001 - keep the last counters; retried next time
-            log.debug("billing: spend refresh failed: %r", exc)
+            self.refresh_failures += 1
+            if self.refresh_failing_since is None:
+                self.refresh_failing_since = time.monotonic()
+                # WARNING once per outage: shared budgets now use the last counters read.
+                log.warning("billing: spend refresh failed, budgets may go stale: %s: %s", type(exc).__name__, exc)
+            else:
+                log.debug("billing: spend refresh failed again: %r", exc)
             return
+        if self.refresh_failing_since is not None:
+            log.warning("billing: spend refresh works again after %.0f s", time.monotonic() - self.refresh_failing_since)
+            self.refresh_failing_since = None
         unshipped_keys, unshipped_subjects = self.journal.unshipped_spend()
         _replace(self._key_spent, snapshot.key_spend, unshipped_keys)
         self._budgeted_keys = len(snapshot.key_spend)
@@ -603,6 +616,17 @@ class BillingHandle:
 
     def stats(self) -> BillingStats:
         return self._actor.stats()
+
+    @property
+    def refresh_failures(self) -> int:
+        """Failed spend refreshes so far (``gateway_background_failures_total``)."""
+        return self._actor.refresh_failures
+
+    @property
+    def refresh_failing_for(self) -> float | None:
+        """Seconds the spend refresh has kept failing; None while it works (``/readyz``)."""
+        since = self._actor.refresh_failing_since
+        return None if since is None else time.monotonic() - since
 
     @property
     def pending_events(self) -> int:

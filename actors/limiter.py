@@ -107,9 +107,17 @@ class StorageDown(Exception):
 # -- messages ----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class CheckIp:
-    """May one more request from ``ip`` pass the flood guard? Replies with a Decision."""
+    """The per-address guard; replies with a Decision. ``kind`` says which question:
+
+    * ``any``: may one more request from ``ip`` pass the generous cap on all requests
+      (``per_ip_all``)? Counts it.
+    * ``peek``: has ``ip`` spent its allowance of failed attempts (``per_ip``)? Counts
+      nothing: asked before a request that would cost a key lookup.
+    * ``failed``: count one unauthenticated or failed attempt of ``ip``; always allowed.
+    """
 
     ip: str
+    kind: str = "any"
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,6 +188,16 @@ class _Recovered:
 
 
 @dataclass(frozen=True, slots=True)
+class _Renewed:
+    """The outcome of one round of Redis concurrency-lease renewals."""
+
+    #: Leases Redis no longer held (expired or removed): that slot may now be someone else's.
+    lost: int
+    #: Renewals that failed (Redis unreachable): retried next tick.
+    failed: int
+
+
+@dataclass(frozen=True, slots=True)
 class _Charged:
     msg: Release
     error: BaseException | None
@@ -237,7 +255,9 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         self._lease_ms = int(lease_seconds * 1000)
         self._probe_seconds = probe_seconds
         self._storage_timeout = storage_timeout
-        self._ip_items = _ip_items(settings)
+        #: Failed attempts per address (``per_ip``) and all requests per address (``per_ip_all``).
+        self._ip_items = _ip_items(settings.per_ip, settings.per_ip_burst)
+        self._ip_all_items = _ip_items(settings.per_ip_all, None)
         self._items: dict[tuple[int, int], RateLimitItem] = {}
         self._own_pool: asyncpg.Pool | None = None
         self._redis: RedisWindowStorage | None = None
@@ -247,6 +267,12 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         self._held: dict[str, _Held] = {}
         self._abandoned: dict[str, float] = {}
         self._unreleased: list[tuple[str, str]] = []
+        #: Redis concurrency leases found lost on renewal, and renewals that failed: a long
+        #: stream whose lease is lost no longer counts toward its key's max_concurrent.
+        self.leases_lost = 0
+        self.lease_renew_failures = 0
+        #: Whether the last renewal round failed or found a lease lost (``/readyz``).
+        self.lease_trouble: str | None = None
         self._tick_task: asyncio.Task[None] | None = None
         self._last_prune = 0.0
         self._rejections: Counter[str] = Counter()
@@ -258,7 +284,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         #: Called with the scope of every rejection, in the actor's loop (metrics hook).
         self.rejection_listeners: list[Callable[[str], None]] = []
         #: Whether the per-IP flood guard is on (``per_ip: off`` turns it off).
-        self.guards_ip = bool(self._ip_items)
+        self.guards_ip = bool(self._ip_items or self._ip_all_items)
         self.description = ""
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -310,7 +336,8 @@ class LimiterActor(Actor[CheckIp | Acquire]):
     def _describe(self) -> str:
         assert self._shared is not None and self._requests is not None
         return (
-            f"{describe_ip_guard(self._settings)}; tokens in {self._shared.name}, per-key requests in {self._requests.name} "
+            f"{describe_ip_guard(self._settings)}; the guard counts unauthenticated and failed attempts, "
+            f"every request per address is capped at {self._settings.per_ip_all}; tokens in {self._shared.name}, per-key requests in {self._requests.name} "
             f"({self._requests.primary.strategy.__class__.__name__}), concurrency in "
             f"{'redis' if self._redis is not None else 'memory'}"
         )
@@ -333,7 +360,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
             windows = shared.current()
             if not windows.immediate:
                 return None
-            return self._settle_ip(_run_now(self._decide_ip(windows, msg.ip)))
+            return self._settle_ip(_run_now(self._decide_ip(windows, msg)))
         requests_windows, shared_windows = requests.current(), shared.current()
         if not (requests_windows.immediate and shared_windows.immediate):
             return None
@@ -365,8 +392,8 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         if isinstance(msg, CheckIp):
             windows = self._shared.current()
             if windows.immediate:
-                return self._settle_ip(await self._decide_ip(windows, msg.ip))
-            return self._remote(self._decide_ip(windows, msg.ip), msg, None)
+                return self._settle_ip(await self._decide_ip(windows, msg))
+            return self._remote(self._decide_ip(windows, msg), msg, None)
         if isinstance(msg, Acquire):
             local_slot = self._reserve_local_slot(msg)
             requests, shared = self._requests.current(), self._shared.current()
@@ -387,10 +414,26 @@ class LimiterActor(Actor[CheckIp | Acquire]):
                 await self._charge(msg.msg)  # on memory now
         elif isinstance(msg, _Recovered):
             self._recover(msg.store)
+        elif isinstance(msg, _Renewed):
+            self._renewed(msg)
         elif isinstance(msg, _Unreleased):
             self._unreleased.append((msg.slot, msg.member))
         elif msg == "tick":
             self._tick()
+
+    def _renewed(self, renewed: _Renewed) -> None:
+        self.leases_lost += renewed.lost
+        self.lease_renew_failures += renewed.failed
+        if renewed.lost:
+            log.warning("rate limits: %d concurrency lease(s) lost in Redis; those streams no longer count", renewed.lost)
+        if renewed.failed:
+            log.warning("rate limits: %d concurrency lease renewal(s) failed; retried next tick", renewed.failed)
+        trouble = []
+        if renewed.lost:
+            trouble.append(f"{renewed.lost} lost")
+        if renewed.failed:
+            trouble.append(f"{renewed.failed} renewal(s) failed")
+        self.lease_trouble = ", ".join(trouble) or None
 
     def _remote(
         self, decide: Coroutine[Any, Any, Any], msg: CheckIp | Acquire, local_slot: bool | None
@@ -428,11 +471,11 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         if isinstance(msg, CheckIp):
             windows = self._shared.current()
             if windows.immediate:
-                decision = self._settle_ip(await self._decide_ip(windows, msg.ip))
+                decision = self._settle_ip(await self._decide_ip(windows, msg))
                 if not done.reply.done():
                     done.reply.set_result(decision)
                 return
-            retry = self._remote(self._decide_ip(windows, msg.ip), msg, None)
+            retry = self._remote(self._decide_ip(windows, msg), msg, None)
         else:
             # A slot reserved in memory stays reserved; one that was to be leased in Redis
             # is now taken in memory.
@@ -448,9 +491,18 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         retry.add_done_callback(lambda f: _copy_outcome(f, done.reply))
 
     # -- per-IP ---------------------------------------------------------------------------
-    async def _decide_ip(self, windows: Windows, ip: str) -> Decision:
-        ids = ("ip", ip)
-        items = self._ip_items
+    async def _decide_ip(self, windows: Windows, msg: CheckIp) -> Decision:
+        if msg.kind == "failed":
+            failures = self._ip_items
+            if failures:
+                await _together(windows, *(windows.add(item, "ipfail", msg.ip, amount=1) for item in failures))
+            return _ALLOWED
+        if msg.kind == "peek":
+            return await self._peek_failures(windows, msg.ip)
+        ids = ("ip", msg.ip)
+        items = self._ip_all_items
+        if not items:
+            return _ALLOWED
         oks = await _together(windows, *(windows.hit(item, *ids) for item in items))
         if all(oks):
             return _ALLOWED
@@ -461,6 +513,20 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         return Decision(
             allowed=False, scope="ip", retry_after=reset_at - time.time(),
             message="too many requests from this address",
+        )
+
+    async def _peek_failures(self, windows: Windows, ip: str) -> Decision:
+        """Refused while ``ip``'s allowance of failed attempts is spent (nothing counted)."""
+        items = self._ip_items
+        if not items:
+            return _ALLOWED
+        stats = await _together(windows, *(windows.stats(item, "ipfail", ip) for item in items))
+        spent = [s for s in stats if s.remaining <= 0]
+        if not spent:
+            return _ALLOWED
+        return Decision(
+            allowed=False, scope="ip", retry_after=max(s.reset_time for s in spent) - time.time(),
+            message="too many failed or unauthenticated requests from this address",
         )
 
     def _settle_ip(self, decision: Decision) -> Decision:
@@ -716,7 +782,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         if redis is not None and shared is not None and not shared.down:
             held = [(f"conc/{h.api_key_id}", pid) for pid, h in self._held.items() if h.where == "redis"]
             if held:
-                self.spawn(_renew(redis, held, self._lease_ms))
+                self.spawn(_renew(redis, held, self._lease_ms), lambda counts, err: _Renewed(*(counts or (0, len(held)))))
         requests = self._requests
         if requests is not None and requests.name == "postgres" and now - self._last_prune > 300:
             self._last_prune = now
@@ -745,9 +811,18 @@ async def _together(windows: Windows, *ops: Coroutine[Any, Any, Any]) -> list[An
         raise StorageDown(windows.name, exc) from exc
 
 
-async def _renew(redis: RedisWindowStorage, held: list[tuple[str, str]], lease_ms: int) -> None:
-    """Extend every lease this replica holds (one pipeline); a failure waits for the next tick."""
-    await asyncio.gather(*(redis.slot_renew(name, pid, lease_ms) for name, pid in held), return_exceptions=True)
+async def _renew(redis: RedisWindowStorage, held: list[tuple[str, str]], lease_ms: int) -> tuple[int, int]:
+    """Extend every lease this replica holds (one pipeline): ``(lost, failed)`` counts.
+
+    A renewal that changed nothing found its lease gone (lost); one that raised failed and
+    waits for the next tick. Both are reported, never swallowed.
+    """
+    results = await asyncio.gather(
+        *(redis.slot_renew(name, pid, lease_ms) for name, pid in held), return_exceptions=True
+    )
+    failed = sum(1 for r in results if isinstance(r, BaseException))
+    lost = sum(1 for r in results if not isinstance(r, BaseException) and not r)
+    return lost, failed
 
 
 async def _quietly(op: Coroutine[Any, Any, Any]) -> None:
@@ -795,16 +870,16 @@ def describe_ip_guard(settings: RateLimitSettings) -> str:
     )
 
 
-def _ip_items(settings: RateLimitSettings) -> tuple[RateLimitItem, ...]:
-    """The flood guard's windows: the rate, and a burst allowance above it.
+def _ip_items(per_ip: str, per_ip_burst: int | None) -> tuple[RateLimitItem, ...]:
+    """A per-address guard's windows: the rate, and a burst allowance above it.
 
     With a burst B over R per period P: at most R+B in any one period, and at most
     10*R per 10*P, so bursts are absorbed while the average stays at R.
     """
-    if settings.per_ip == "off":
+    if per_ip == "off":
         return ()
-    rate = parse(settings.per_ip)
-    burst = rate.amount if settings.per_ip_burst is None else settings.per_ip_burst
+    rate = parse(per_ip)
+    burst = rate.amount if per_ip_burst is None else per_ip_burst
     if burst <= 0:
         return (rate,)
     period = rate.get_expiry()
@@ -869,11 +944,11 @@ class LimiterHandle:
         self._replica = uuid.uuid4().hex[:12]
         self._ids = itertools.count(1)
 
-    async def check_ip(self, ip: str) -> None:
-        """The flood guard, before authentication and any database work."""
+    async def check_ip(self, ip: str, kind: str = "any") -> None:
+        """The per-address guard (see :class:`CheckIp` for ``kind``); RateLimited when refused."""
         if not self._actor.guards_ip:
             return
-        msg = CheckIp(ip)
+        msg = CheckIp(ip, kind)
         decision = self._actor.decide_now(msg)
         if decision is None:
             decision = await self._ref.ask(msg)
@@ -920,6 +995,16 @@ class LimiterHandle:
     def rejections(self) -> Mapping[str, int]:
         """Rejections so far by scope: ip, requests, tokens, concurrency."""
         return self._actor.rejections
+
+    @property
+    def lease_counts(self) -> tuple[int, int]:
+        """(leases lost, renewals failed) so far (``gateway_background_failures_total``)."""
+        return self._actor.leases_lost, self._actor.lease_renew_failures
+
+    @property
+    def lease_trouble(self) -> str | None:
+        """What went wrong in the last lease renewal round, if anything (``/readyz``)."""
+        return self._actor.lease_trouble
 
     @property
     def rejection_listeners(self) -> list[Callable[[str], None]]:

@@ -212,6 +212,15 @@ def _row_ms(sid: str, metric: str, passes: dict[str, Measured], q: float, values
     )
 
 
+def _row_429(sid: str, passes: dict[str, Measured]) -> Row:
+    """429 answers per target: all load comes from one address (127.0.0.1) with valid
+    keys under the default per-IP guard, so the gateway must refuse none."""
+    refused = {t: float(m.result.errors.get("http 429", 0)) for t, m in passes.items()}
+    g = refused.get("gateway")
+    return Row(sid, "429 answers (one client address, default per-IP guard)", refused, "answers", "", "0",
+               None if g is None else g == 0)
+
+
 def _errors_note(report: ScenarioReport, passes: dict[str, Measured]) -> None:
     for target, m in passes.items():
         if m.result.errors:
@@ -243,6 +252,7 @@ async def s1(ctx: RunContext) -> ScenarioReport:
     if g is not None and g < 2000 and "gateway" in starved:
         compare += " (gateway CPU-starved: inconclusive)"
     report.rows.append(Row("S1", "requests/s", dict(rps), "req/s", compare, "≥ 2000 (≈ 0.75× bare)", verdict))
+    report.rows.append(_row_429("S1", passes))
     report.rows.append(_row_ms("S1", "latency p50", passes, 50))
     report.rows.append(_row_ms("S1", "latency p99", passes, 99))
     cpu = {t: (m.json()["process"].get("cpu_us_per_request") if m.window else None) for t, m in passes.items()}
@@ -368,6 +378,7 @@ async def s4(ctx: RunContext) -> ScenarioReport:
     done = {t: float(m.result.ok) for t, m in passes.items()}
     report.rows.append(Row("S4", "streams complete", done, f"of {n}", "", f"all {n}",
                            done.get("gateway") == n if "gateway" in done else None))
+    report.rows.append(_row_429("S4", passes))
     rss = {t: (round(m.window.peak_rss / MB, 1) if m.window else None) for t, m in passes.items()}
     base = {t: (round(m.window.start_rss / MB, 1) if m.window else None) for t, m in passes.items()}
     g = rss.get("gateway")

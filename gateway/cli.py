@@ -35,7 +35,7 @@ from gateway.billing.reports import GROUPS, UsageQuery, format_table, parse_time
 from gateway.core.config import ConfigError, GatewayConfig, Settings, load_config, load_settings
 from gateway.core.db import DatabaseUnavailable, EmbeddedUnavailable, connect_pool, migrate
 from gateway.edge.server import AddressUnavailable, check_addresses, resolve_database_url, run, serve
-from gateway.edge.workers import supervise_workers
+from gateway.edge.workers import per_worker_limits_refusal, supervise_workers
 from gateway.observability.logs import LOG_FORMATS, LogSetup, configure_logging
 
 __all__ = ["main"]
@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--no-migrate", action="store_true", help="skip migrations (run them as a release step)")
     serve_cmd.add_argument("--workers", type=_positive_int, default=1,
                            help="data-plane processes sharing BIND_ADDR (SO_REUSEPORT); default 1")
+    serve_cmd.add_argument("--per-worker-limits", action="store_true",
+                           help="with --workers N and rate limits in memory (no REDIS_URL): accept that "
+                                "each worker enforces every limit on its own (N x the limit)")
     serve_cmd.add_argument("--worker-socket", help=argparse.SUPPRESS)  # set by --workers for its children
     serve_cmd.add_argument("--log-format", default=os.environ.get("LOG_FORMAT", "json"), choices=LOG_FORMATS,
                            help="json: one object per line (default); text: for humans")
@@ -388,6 +391,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check_addresses(settings)  # before the embedded database or any line on stdout
             dsn, embedded = resolve_database_url(settings)
             if args.workers > 1:
+                refusal = per_worker_limits_refusal(settings, config, args.workers)
+                if refusal is not None and not args.per_worker_limits:
+                    raise ConfigError(refusal)
                 run(supervise_workers(
                     settings, config, dsn, embedded=embedded, workers=args.workers, migrate=not args.no_migrate
                 ))

@@ -39,3 +39,5 @@ def test_quick_s1_runs_end_to_end_and_writes_both_reports(tmp_path: Path, pg_adm
     assert not [name for name in hops["per_request"] if name.startswith("auth ask")], hops
     markdown = (tmp_path / "latest.md").read_text()
     assert "| S1 | requests/s |" in markdown
+    # All of it from one address under the default per-IP guard: no 429, and the report says so.
+    assert "| S1 | 429 answers (one client address, default per-IP guard) |" in markdown

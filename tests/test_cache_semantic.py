@@ -205,3 +205,32 @@ async def test_index_pgvector_refuses_to_start_without_the_extension(
     doc["models"].insert(0, {"name": "embedder", "deployments": [{"provider": "fake", "model": "mock-embedding"}]})
     with pytest.raises(ConfigError, match=r"cache\.semantic\.index: pgvector is not usable"):
         await gateway_factory(config_yaml=yaml.safe_dump(doc))
+
+
+async def test_an_embeddings_deployment_works_on_a_plain_install_without_numpy(
+    gateway_factory: Callable[..., Any], fake: FakeUpstream, api_key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The documented alternative to the [semantic] extra needs no numpy: vectors are
+    computed, stored and compared (a repeat is a semantic hit), never silently dropped."""
+    import sys
+
+    import yaml
+
+    import gateway.cache.semantic
+
+    monkeypatch.setitem(sys.modules, "numpy", None)  # `import numpy` now fails, as on a plain install
+    monkeypatch.setattr(gateway.cache.semantic, "_np", None)
+    config = cached_config(
+        fake.url, {"mode": "semantic", "threshold": 0.99},
+        semantic={"embedder": "embedder", "max_wait_ms": 5000},
+    )
+    doc = yaml.safe_load(config)
+    doc["models"].insert(0, {"name": "embedder", "deployments": [{"provider": "fake", "model": "mock-embedding"}]})
+    gw = await gateway_factory(config_yaml=yaml.safe_dump(doc))
+    await ask(gw, api_key, "first question")
+    await settle(gw, 1)
+    assert gw.state.cache.stats()["vectors"] == 1
+    resp, _ = await ask(gw, api_key, "an unrelated question")
+    assert resp.headers["x-gateway-cache"] == "miss"
+    assert gw.state.cache.counters.semantic_lookups == 1
+    assert (await fake.stats())["by_path"]["/v1/embeddings"] == 2

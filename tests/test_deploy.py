@@ -102,3 +102,11 @@ def test_compose_keeps_each_replicas_billing_journal_on_a_volume() -> None:
     assert len(journals) == 2, "each replica has its own journal"
     dockerfile = (REPO / "Dockerfile").read_text()
     assert "install -d -o gateway -g gateway /var/lib/llm-gateway/billing-journal" in dockerfile
+
+
+def test_compose_trusts_nginx_for_the_client_address(tmp_path: Path) -> None:
+    environ = {"GATEWAY_CONFIG": str(REPO / "conf/compose/gateway.yaml")}
+    limits = load_config(load_settings(environ), environ).rate_limits
+    assert limits.trusted_proxies, "the replicas sit behind nginx: its address must be trusted"
+    nginx = (REPO / "conf/nginx/gateway.conf").read_text()
+    assert "proxy_set_header X-Forwarded-For $remote_addr;" in nginx

@@ -8,6 +8,7 @@ window is aligned to the clock); Redis keys carry a prefix unique to the test.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -346,24 +347,46 @@ async def test_postgres_guarded_upsert_under_concurrency(db_pool: asyncpg.Pool, 
 
 
 async def test_per_ip_guard_with_and_without_burst(limiter_factory: Any) -> None:
+    # per_ip is the allowance of failed attempts: each attempt peeks, then fails.
     plain = await limiter_factory(per_ip="5/minute", per_ip_burst=0)
-    results = [await guard(plain.handle, "10.0.0.1") for _ in range(8)]
+    results = [await failed_attempt(plain.handle, "10.0.0.1") for _ in range(8)]
     assert results.count(None) == 5
     for refused in results[5:]:
         assert isinstance(refused, RateLimited)
         assert 1 <= int(error_response(refused).headers["Retry-After"]) <= 60
-    assert await guard(plain.handle, "10.0.0.2") is None  # another address has its own window
+    assert await failed_attempt(plain.handle, "10.0.0.2") is None  # another address has its own window
     bursty = await limiter_factory(per_ip="5/minute", per_ip_burst=3)
-    results = [await guard(bursty.handle, "10.0.0.1") for _ in range(10)]
+    results = [await failed_attempt(bursty.handle, "10.0.0.1") for _ in range(10)]
     assert results.count(None) == 8
     assert bursty.actor.rejections["ip"] == 2
-    off = await limiter_factory(per_ip="off")
+    off = await limiter_factory(per_ip="off", per_ip_all="off")
     assert not off.actor.guards_ip
 
 
-async def guard(handle: LimiterHandle, ip: str) -> RateLimited | None:
+async def failed_attempt(handle: LimiterHandle, ip: str) -> RateLimited | None:
+    """One request that would cost a key lookup and then fails authentication."""
+    refused = await guard(handle, ip, "peek")
+    if refused is None:
+        await handle.check_ip(ip, "failed")
+    return refused
+
+
+async def test_per_ip_all_caps_every_request_and_failures_do_not_spend_it(limiter_factory: Any) -> None:
+    limiter = await limiter_factory(per_ip="2/minute", per_ip_burst=0, per_ip_all="20/minute")
+    # Authenticated traffic never peeks at or spends the failure allowance.
+    results = [await guard(limiter.handle, "10.0.0.9") for _ in range(45)]
+    assert results.count(None) == 40  # 20 per minute plus a burst of 20
+    assert await guard(limiter.handle, "10.0.0.9", "peek") is None  # no failures yet
+    assert await failed_attempt(limiter.handle, "10.0.0.8") is None
+    assert await failed_attempt(limiter.handle, "10.0.0.8") is None
+    assert isinstance(await failed_attempt(limiter.handle, "10.0.0.8"), RateLimited)
+    assert await guard(limiter.handle, "10.0.0.8") is None  # cached keys from there still pass
+    assert limiter.actor.rejections["ip"] == 6
+
+
+async def guard(handle: LimiterHandle, ip: str, kind: str = "any") -> RateLimited | None:
     try:
-        await handle.check_ip(ip)
+        await handle.check_ip(ip, kind)
     except RateLimited as exc:
         return exc
     return None
@@ -403,3 +426,25 @@ def test_limits_is_pinned_to_the_tested_major() -> None:
     requires = [line.strip() for line in cfg["options"]["install_requires"].splitlines()]
     assert "limits>=5.0,<6" in requires
     assert version("limits").split(".")[0] == "5"
+
+
+async def test_a_lost_redis_lease_is_counted_logged_and_reported(
+    limiter_factory: Any, verified_key: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A long stream's concurrency lease that Redis no longer holds is not swallowed."""
+    limiter = await limiter_factory("redis", lease_seconds=0.3)
+    key = await verified_key(rate_limit_requests=100, rate_limit_window_seconds=HOUR, max_concurrent=2)
+    permit = await limiter.handle.acquire(key)
+    redis = limiter.actor.redis
+    assert redis is not None
+    async for name in redis._client.scan_iter(match=f"*conc/{key.api_key_id}*"):
+        await redis._client.delete(name)  # the lease is gone (e.g. Redis restarted, or it expired)
+    with caplog.at_level(logging.WARNING, logger="gateway.limiter"):
+        for _ in range(100):  # up to 5 s
+            if limiter.handle.lease_counts[0]:
+                break
+            await asyncio.sleep(0.05)
+    assert limiter.handle.lease_counts[0] >= 1
+    assert limiter.handle.lease_trouble is not None and "lost" in limiter.handle.lease_trouble
+    assert any("lease" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+    permit.release()

@@ -244,3 +244,84 @@ def test_rate_limit_config_is_checked(tmp_path: Path, fake_url: str = "http://12
     config.write_text(config_for(fake_url, rate_limits={"storage": "postgres", "per_ip": "off", "per_ip_burst": 5}))
     limits = load_config(load_settings({"GATEWAY_CONFIG": str(config)}), {}).rate_limits
     assert (limits.storage, limits.per_ip, limits.per_ip_burst, limits.strategy) == ("postgres", "off", 5, "sliding-window")
+
+
+async def test_the_per_ip_guard_never_throttles_callers_with_valid_keys(
+    gateway_factory: Any, fake: FakeUpstream, api_key: str
+) -> None:
+    """One backend (or everything behind one NAT) with valid keys is limited by its keys,
+    not by its address; failed attempts from that address are still refused once spent."""
+    gw = await start(gateway_factory, fake, per_ip="5/minute", per_ip_burst=0)
+    statuses = [
+        (await gw.data.post("/v1/chat/completions", json=chat_body(), headers=auth(api_key))).status
+        for _ in range(40)
+    ]
+    assert statuses == [200] * 40
+    bad = [
+        (await gw.data.post("/v1/chat/completions", json=chat_body(), headers=auth(generate_key()))).status
+        for _ in range(8)
+    ]
+    assert bad == [401] * 5 + [429] * 3
+    missing = await gw.data.post("/v1/chat/completions", json=chat_body())
+    assert missing.status == 429  # a missing key is a failed attempt too, refused before auth
+    assert (await gw.data.post("/v1/chat/completions", json=chat_body(), headers=auth(api_key))).status == 200
+
+
+async def test_the_generous_cap_still_bounds_everything_from_one_address(
+    gateway_factory: Any, fake: FakeUpstream, api_key: str
+) -> None:
+    gw = await start(gateway_factory, fake, per_ip_all="10/minute", per_ip_burst=0)
+    statuses = [(await gw.data.get("/v1/models", headers=auth(api_key))).status for _ in range(25)]
+    assert statuses.count(200) == 20 and statuses[-1] == 429  # 10 per minute plus a burst of 10
+
+
+async def test_forwarded_addresses_count_only_behind_a_trusted_proxy(
+    gateway_factory: Any, fake: FakeUpstream
+) -> None:
+    async def failures_then(gw: Gateway, headers: dict[str, str]) -> list[int]:
+        return [
+            (await gw.data.get("/v1/models", headers={**auth(generate_key()), **headers})).status
+            for _ in range(3)
+        ]
+
+    trusting = await start(gateway_factory, fake, per_ip="2/minute", per_ip_burst=0, trusted_proxies=["127.0.0.1/32"])
+    assert await failures_then(trusting, {"X-Forwarded-For": "198.51.100.1, 203.0.113.5"}) == [401, 401, 429]
+    # Another client behind the same proxy has its own allowance (Forwarded works too).
+    assert await failures_then(trusting, {"Forwarded": 'for="203.0.113.6"'}) == [401, 401, 429]
+    # IPv6 clients are counted by their /64: a neighbour address shares the window.
+    assert await failures_then(trusting, {"X-Forwarded-For": "2001:db8:1:2::1"}) == [401, 401, 429]
+    assert await failures_then(trusting, {"X-Forwarded-For": "2001:db8:1:2::ffff"}) == [429, 429, 429]
+    # Without trusted proxies the header is the client's word and is ignored.
+    plain = await start(gateway_factory, fake, per_ip="2/minute", per_ip_burst=0)
+    assert await failures_then(plain, {"X-Forwarded-For": "203.0.113.7"}) == [401, 401, 429]
+    assert await failures_then(plain, {"X-Forwarded-For": "203.0.113.8"}) == [429, 429, 429]
+
+
+def test_trusted_proxies_must_be_cidrs(tmp_path: Path) -> None:
+    config = tmp_path / "gateway.yaml"
+    for bad in (["not-an-ip"], "10.0.0.0/8"):
+        config.write_text(config_for("http://127.0.0.1:9/v1", rate_limits={"trusted_proxies": bad}))
+        with pytest.raises(ConfigError) as caught:
+            load_config(load_settings({"GATEWAY_CONFIG": str(config)}), {})
+        assert str(caught.value).startswith("rate_limits.trusted_proxies"), caught.value
+
+
+def test_client_ip_reads_the_chain_from_the_right_and_keys_ipv6_by_64() -> None:
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway.edge.ratelimit import client_ip
+
+    def ip(remote: str, trusted: tuple[str, ...] = (), **headers: str) -> str:
+        request = make_mocked_request("GET", "/v1/models", headers=headers).clone(remote=remote)
+        return client_ip(request, trusted)
+
+    proxies = ("10.0.0.0/8",)
+    assert ip("192.0.2.1") == "192.0.2.1"
+    assert ip("192.0.2.1", proxies, **{"X-Forwarded-For": "203.0.113.9"}) == "192.0.2.1"  # untrusted peer
+    # A client-forged entry on the left does not win over what our proxies appended.
+    assert ip("10.0.0.2", proxies, **{"X-Forwarded-For": "1.2.3.4, 203.0.113.9, 10.0.0.7"}) == "203.0.113.9"
+    assert ip("10.0.0.2", proxies, Forwarded='for=198.51.100.4;proto=https, for="10.0.0.7:80"') == "198.51.100.4"
+    assert ip("10.0.0.2", proxies, Forwarded='for="[2001:db8:a:b::5]:443"') == "2001:db8:a:b::/64"
+    assert ip("10.0.0.2", proxies, **{"X-Forwarded-For": "unknown"}) == "10.0.0.2"
+    assert ip("2001:db8:1:2:3:4:5:6") == "2001:db8:1:2::/64"
+    assert ip("::ffff:192.0.2.8") == "192.0.2.8"

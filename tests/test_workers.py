@@ -27,7 +27,7 @@ def _children(pid: int) -> set[int]:
 
 async def _two_workers(process_factory: Any, fake: FakeUpstream) -> tuple[Any, set[int]]:
     """A ``serve --workers 2`` process, once both of its workers exist."""
-    gw = await process_factory(config_yaml=config_for(fake.url), args=("--workers", "2"))
+    gw = await process_factory(config_yaml=config_for(fake.url), args=("--workers", "2", "--per-worker-limits"))
     for _ in range(100):
         if len(_children(gw.proc.pid)) == 2:
             break
@@ -152,3 +152,34 @@ async def test_a_worker_whose_supervisor_died_before_it_started_stops_at_once(tm
         out, _ = await proc.communicate()
     assert b"supervisor 999999999 is gone" in out, out.decode(errors="replace")
     assert b"serving data plane" not in out
+
+
+async def test_workers_with_memory_limits_are_refused_unless_the_operator_opts_in(
+    process_factory: Any, fake_factory: Any
+) -> None:
+    fake: FakeUpstream = await fake_factory()
+    gw = await process_factory(config_yaml=config_for(fake.url), args=("--workers", "2"), ready=False)
+    assert await asyncio.to_thread(gw.wait, 30) == 2
+    log = gw.log()
+    assert "configuration error: serve --workers 2: rate limits are kept in memory" in log, log
+    assert "--per-worker-limits" in log and "Traceback" not in log
+
+
+def test_shared_limit_storages_need_no_opt_in(tmp_path: Path) -> None:
+    from gateway.core.config import load_config, load_settings
+    from gateway.edge.workers import per_worker_limits_refusal
+
+    def refusal(env: dict[str, str], yaml_text: str | None = None) -> str | None:
+        if yaml_text is not None:
+            path = tmp_path / "gw.yaml"
+            path.write_text("providers: {m: {type: mock}}\nmodels: [{name: '*', deployments: [{provider: m, model: '*'}]}]\n" + yaml_text)
+            env = {**env, "GATEWAY_CONFIG": str(path)}
+        settings = load_settings(env)
+        return per_worker_limits_refusal(settings, load_config(settings, env), 2)
+
+    assert refusal({}) is not None
+    assert refusal({"REDIS_URL": "redis://127.0.0.1:6379/0"}) is None
+    assert refusal({"REDIS_URL": "redis://r/0"}, "rate_limits: {storage: 'memory://'}\n") is not None
+    assert refusal({}, "rate_limits: {storage: postgres}\n") is None
+    settings = load_settings({})
+    assert per_worker_limits_refusal(settings, load_config(settings, {}), 1) is None

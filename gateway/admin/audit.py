@@ -22,7 +22,11 @@ __all__ = ["ACTIONS", "AuditEntry", "AuditLog"]
 
 #: Every action the trail knows, one per kind of admin change. Budget rows name their
 #: subject in ``detail`` (``api_key_id`` is null: a subject budget covers all its keys).
-ACTIONS = ("key.create", "key.update", "key.revoke", "key.rotate", "budget.set", "budget.clear")
+ACTIONS = (
+    "key.create", "key.update", "key.revoke", "key.rotate", "budget.set", "budget.clear",
+    # The console's sessions: who signed in (and how, with which role), who signed out.
+    "session.sign_in", "session.sign_out",
+)
 
 _COLUMNS = "audit_id, at, actor, action, api_key_id, request_id, remote, detail"
 

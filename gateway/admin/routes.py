@@ -2,7 +2,9 @@
 
 Every ``/admin/`` route asks for ``Authorization: Bearer $ADMIN_TOKEN``, checked in
 constant time by :class:`AdminAuth` from a middleware keyed on the matched route (so
-a route added later under ``/admin/`` cannot be forgotten). With no token configured
+a route added later under ``/admin/`` cannot be forgotten), or for a console session
+(cookie + ``X-CSRF-Token`` on changes; role ``viewer`` reads only, 403 ``read_only``;
+see :mod:`gateway.admin.session`). With no token and no single sign-on configured
 every admin route answers 403 ``admin_disabled``; a missing or wrong token is 401.
 
 Key changes go through :class:`gateway.auth.keys.KeyStore` (the CLI's store) bound to one
@@ -46,6 +48,15 @@ from gateway.admin.input import (
     parse_rotation,
     parse_usage_query,
     read_admin_body,
+)
+from gateway.admin.session import (
+    COOKIE,
+    CSRF_HEADER,
+    SAFE_METHODS,
+    CsrfRefused,
+    ReadOnlyRole,
+    SessionStore,
+    csrf_matches,
 )
 from gateway.auth.keys import KeyNotFound, KeyPolicy, KeyRecord, KeyStateError, KeyStore
 from gateway.billing.budgets import SubjectBudget, SubjectBudgetStore
@@ -93,7 +104,7 @@ class AdminAuth:
     takes the same time whatever the presented token and its length.
     """
 
-    __slots__ = ("_digest", "actor")
+    __slots__ = ("_digest", "actor", "fingerprint")
 
     def __init__(self, token: str | None, name: str | None = None) -> None:
         if token:
@@ -103,9 +114,12 @@ class AdminAuth:
             digest = hashlib.sha256(token.encode("utf-8", "surrogatepass"))
             self._digest: bytes | None = digest.digest()
             self.actor = name or f"token:{digest.hexdigest()[:12]}"
+            #: Ties console sessions to this token: a new ADMIN_TOKEN ends the old ones.
+            self.fingerprint: str | None = hashlib.sha256(b"console-session:" + self._digest).hexdigest()[:32]
         else:
             self._digest = None
             self.actor = name or "disabled"
+            self.fingerprint = None
 
     @property
     def enabled(self) -> bool:
@@ -125,11 +139,14 @@ class AdminAuth:
         return self.actor
 
 
-def admin_guard(auth: AdminAuth) -> Middleware:
-    """Middleware: every route whose path starts ``/admin/`` needs the admin token.
+def admin_guard(auth: AdminAuth, *, sign_on: bool = False) -> Middleware:
+    """Middleware: every route whose path starts ``/admin/`` needs the admin token, or a
+    console session (:mod:`gateway.admin.session`: cookie, plus the CSRF token on a change;
+    a ``viewer`` session may only read).
 
     Keyed on the matched route, not the raw path, so no spelling of a URL reaches an
-    admin handler around it; unmatched paths fall through to the usual 404/405.
+    admin handler around it; unmatched paths fall through to the usual 404/405. With
+    neither a token nor single sign-on (``sign_on``) configured the API is disabled.
     """
 
     @web.middleware
@@ -138,9 +155,9 @@ def admin_guard(auth: AdminAuth) -> Middleware:
         if resource is None or not resource.canonical.startswith(ADMIN_PREFIX):
             return await handler(request)
         try:
-            request[ADMIN_ACTOR] = auth.check(request.headers.get("Authorization"))
+            request[ADMIN_ACTOR] = await _authorize(request, auth, sign_on)
         except AdminUnauthorized:
-            log.warning("admin request refused (bad token) from %s: %s %s",
+            log.warning("admin request refused (bad token or session) from %s: %s %s",
                         request.remote, request.method, resource.canonical)
             raise
         try:
@@ -152,6 +169,29 @@ def admin_guard(auth: AdminAuth) -> Middleware:
             raise ServiceUnavailable("database unavailable", code="database_unavailable", retry_after=1) from None
 
     return guard
+
+
+async def _authorize(request: web.Request, auth: AdminAuth, sign_on: bool) -> str:
+    """The actor of this request: the bearer token's, else the session's (role and CSRF checked)."""
+    authorization = request.headers.get("Authorization")
+    cookie = request.cookies.get(COOKIE)
+    if authorization is not None or cookie is None:
+        if not auth.enabled and sign_on:
+            # Single sign-on only: no token to present, a session to sign in for.
+            raise AdminDisabled("no ADMIN_TOKEN is set: sign in at /ui/ for a session")
+        return auth.check(authorization)
+    try:
+        session = await SessionStore(request.app[STATE].pool).get(cookie, admin_fingerprint=auth.fingerprint)
+    except CONNECTION_ERRORS:
+        raise ServiceUnavailable("database unavailable", code="database_unavailable", retry_after=1) from None
+    if session is None:
+        raise AdminUnauthorized("no admin token, and the console session has ended: sign in again")
+    if request.method not in SAFE_METHODS:
+        if not csrf_matches(session, request.headers.get(CSRF_HEADER)):
+            raise CsrfRefused()
+        if not session.may_change:
+            raise ReadOnlyRole()
+    return session.principal
 
 
 def admin_body_limit(body_limit: int) -> int:

@@ -33,7 +33,7 @@ LEDGER_COLUMNS = (
     "served_model", "provider", "deployment", "prompt_tokens", "completion_tokens",
     "usage_estimated", "cost_usd", "cost_diem", "cost_source", "latency_seconds",
     "ttft_seconds", "status", "outcome", "streamed", "retries", "failovers", "error_type",
-    "finish_reason", "created_at", "protocol",
+    "finish_reason", "created_at", "protocol", "guardrails",
 )
 
 _COLUMN_LIST = ", ".join(LEDGER_COLUMNS)
@@ -85,6 +85,8 @@ class UsageEvent:
     created_at: float
     #: The protocol the client spoke (chat | anthropic).
     protocol: str = "chat"
+    #: The guardrail policies that acted, ``policy:action`` comma-joined (None: none).
+    guardrails: str | None = None
 
     @classmethod
     def from_call(cls, call: CallRecord) -> UsageEvent:
@@ -117,6 +119,7 @@ class UsageEvent:
             finish_reason=_short(call.finish_reasons[-1]) if call.finish_reasons else None,
             created_at=call.started_at,
             protocol=call.protocol,
+            guardrails=",".join(f"{p}:{a}" for p, a, _ in call.guardrails)[:1024] or None,
         )
 
     def to_line(self) -> bytes:
@@ -150,6 +153,7 @@ class UsageEvent:
                 "finish_reason": self.finish_reason,
                 "created_at": datetime.fromtimestamp(self.created_at, timezone.utc),
                 "protocol": self.protocol,
+                "guardrails": self.guardrails,
             },
             option=orjson.OPT_APPEND_NEWLINE,
         )

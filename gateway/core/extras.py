@@ -20,6 +20,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "bedrock": ("botocore",),
     # Vertex AI: google-auth's credentials (service accounts, ADC, metadata server) over requests.
     "vertex": ("google.auth", "requests"),
+    # Single sign-on to the admin console: ID token signatures (PyJWT with cryptography).
+    "oidc": ("jwt", "cryptography"),
 }
 
 

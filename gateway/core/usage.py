@@ -231,6 +231,8 @@ class CallRecord:
     cache_similarity: float | None = None
     #: The protocol the client spoke: chat (``/v1/chat/completions``) | anthropic (``/v1/messages``).
     protocol: str = "chat"
+    #: What guardrail policies did: (policy, action, direction) each, never the text.
+    guardrails: tuple[tuple[str, str, str], ...] = ()
 
 
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})

@@ -23,6 +23,7 @@ from actors.limiter import LimiterActor, LimiterHandle
 from actors.runtime import Supervisor
 from gateway.admin import cache as cache_admin
 from gateway.admin import routes as admin
+from gateway.admin.console import add_console
 from gateway.auth.keys import KeyStore
 from gateway.billing.gate import unpriced_deployments
 from gateway.billing.reservations import ReservationStore, open_reservations
@@ -39,6 +40,7 @@ from gateway.edge import (
     responses,
     telemetry,
 )
+from gateway.edge.guardrails import build_guardrails
 from gateway.http.admission import ADMISSION, AdmissionGate, admission_middleware, default_max_in_flight
 from gateway.http.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
 from gateway.http.middleware import error_middleware, security_headers
@@ -113,6 +115,7 @@ async def gateway_state(
         providers = _providers(config, session, settings)
         router = Router(config)
         cache, embedder = await start_cache(supervisor, config, settings.redis_url, providers, router, pool=pool)
+        guardrails = build_guardrails(config, session, router, providers)
         state = GatewayState(
             settings=settings,
             config=config,
@@ -131,6 +134,7 @@ async def gateway_state(
             limiter=LimiterHandle(limiter_actor, limiter_ref),
             call_listeners=[billing.record],
             cache=cache,
+            guardrails=guardrails if guardrails.any else None,
         )
         # Last, so the metrics listener runs after billing's (which may price the call).
         telemetry.install(state)
@@ -189,7 +193,8 @@ def build_data_app(state: GatewayState) -> web.Application:
 def build_management_app(
     state: GatewayState, *, metrics_handler: Callable[[web.Request], Awaitable[web.StreamResponse]] | None = None
 ) -> web.Application:
-    """The management plane: health, Prometheus metrics, the admin API, its OpenAPI document.
+    """The management plane: health, Prometheus metrics, the admin API, its OpenAPI
+    document, and the admin console (``/ui/``, :mod:`gateway.admin.console`).
 
     ``metrics_handler`` replaces this process's own ``/metrics`` (``serve --workers``
     serves the aggregation of its workers' registries instead).
@@ -200,9 +205,10 @@ def build_management_app(
         settings.management_cors_origins, allow_methods=("GET", "POST", "PUT", "PATCH", "DELETE"),
         allow_headers=MANAGEMENT_REQUEST_HEADERS, expose_headers=("x-request-id",),
     )
+    admin_auth = admin.AdminAuth(settings.admin_token, settings.admin_token_name)
     app = web.Application(
         middlewares=[telemetry.observe, cors.middleware, error_middleware, admin.admin_guard(
-            admin.AdminAuth(settings.admin_token, settings.admin_token_name)
+            admin_auth, sign_on=state.config.admin.oidc is not None,
         )],
         client_max_size=admin.admin_body_limit(settings.body_limit) + 1024,
     )
@@ -216,4 +222,5 @@ def build_management_app(
     app.router.add_get("/openapi.json", openapi.document_handler(openapi.management_document()))
     admin.add_admin_routes(app.router)
     cache_admin.add_routes(app)
+    add_console(app, admin_auth)
     return app

@@ -49,6 +49,13 @@ async def readyz(request: web.Request) -> web.Response:
     ready = all(value == _CHECK_OK for value in checks.values())
     # Degraded is still ready: limits keep working from memory (docs/rate-limits.md).
     degraded = {f"rate_limits:{name}": why for name, why in state.limiter.degraded.items()}
+    # Still ready, but shared state may be stale: say so (each also logs a WARNING and
+    # counts in gateway_background_failures_total).
+    stale_for = state.billing.refresh_failing_for
+    if stale_for is not None:
+        degraded["budgets"] = f"spend refresh failing for {stale_for:.0f} s: shared budgets may be stale"
+    if state.limiter.lease_trouble is not None:
+        degraded["concurrency_leases"] = f"last renewal: {state.limiter.lease_trouble}"
     checks["rate_limits"] = (
         "degraded: " + "; ".join(f"{name}: {why}" for name, why in state.limiter.degraded.items())
         if degraded else _CHECK_OK

@@ -84,9 +84,62 @@ def _common_paths(tag: str) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------- management
+_HTML = {"text/html": {"schema": {"type": "string"}}}
+#: The console's pages (gateway/admin/console): HTML for a browser with a session, not
+#: an API; listed so the document names every route of the plane.
+_CONSOLE_PAGES = (
+    ("/ui", "consoleRoot", "Redirect to /ui/"),
+    ("/ui/", "consoleOverview", "Overview: today and 7 days, top spenders, open breakers"),
+    ("/ui/keys", "consoleKeys", "Keys: search, filter, create"),
+    ("/ui/keys/{id}", "consoleKey", "One key: edit, rotate, revoke, its usage and audit"),
+    ("/ui/subjects", "consoleSubjects", "Spend against budget per subject and key"),
+    ("/ui/usage", "consoleUsage", "Usage over a range, grouped by day, model, key, subject or provider"),
+    ("/ui/usage.csv", "consoleUsageCsv", "The Usage page's numbers as CSV"),
+    ("/ui/providers", "consoleProviders", "Deployments with circuit state, latency and error rate"),
+    ("/ui/cache", "consoleCache", "Response cache sizes, hit rate, purge"),
+    ("/ui/audit", "consoleAudit", "The audit trail, filterable"),
+    ("/ui/static/{name}", "consoleAsset", "The console's CSS and script (cached for a year: the URL has a hash)"),
+    ("/ui/login", "consoleSignInForm", "The sign-in form"),
+    ("/ui/oidc/start", "consoleSignOnStart", "Single sign-on: off to the identity provider (admin.oidc)"),
+    ("/ui/oidc/callback", "consoleSignOnCallback", "Single sign-on: back from the identity provider"),
+)
+_PUBLIC_CONSOLE = ("/ui", "/ui/static/{name}", "/ui/login", "/ui/oidc/start", "/ui/oidc/callback")
+
+
+def _console_paths() -> dict[str, Any]:
+    paths: dict[str, Any] = {}
+    for path, op_id, summary in _CONSOLE_PAGES:
+        op: dict[str, Any] = {
+            "operationId": op_id, "summary": summary, "tags": ["console"],
+            "security": [] if path in _PUBLIC_CONSOLE else [{"consoleSession": []}],
+            "responses": {"200": {"description": "the page", "content": _HTML},
+                          "303": {"description": "no session: to /ui/login"}},
+        }
+        if "{" in path:
+            name = path[path.index("{") + 1:path.index("}")]
+            op["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]
+        paths[path] = {"get": op}
+    form = {"content": {"application/x-www-form-urlencoded": {"schema": {"type": "object"}}}}
+    paths["/ui/login"]["post"] = {
+        "operationId": "consoleSignIn", "summary": "Sign in with the admin token: a session cookie",
+        "tags": ["console"], "security": [], "requestBody": form,
+        "responses": {"303": {"description": "signed in (Set-Cookie)"},
+                      "401": {"description": "wrong token", "content": _HTML},
+                      "403": {"description": "from another site, or token sign-in disabled", "content": _HTML}},
+    }
+    paths["/ui/logout"] = {"post": {
+        "operationId": "consoleSignOut", "summary": "End the session everywhere (csrf_token field)",
+        "tags": ["console"], "security": [{"consoleSession": []}], "requestBody": form,
+        "responses": {"303": {"description": "signed out"},
+                      "403": {"description": "bad CSRF token", "content": _HTML}},
+    }}
+    return paths
+
+
 _ADMIN_ERRORS = {
-    "401": error("missing or wrong admin token (invalid_admin_token)"),
-    "403": error("no ADMIN_TOKEN configured: admin API disabled (admin_disabled)"),
+    "401": error("missing or wrong admin token, or an ended console session (invalid_admin_token)"),
+    "403": error("no ADMIN_TOKEN configured: admin API disabled (admin_disabled); with a console session: "
+                 "a change without its X-CSRF-Token (csrf_failed) or by a viewer (read_only)"),
     "503": error("PostgreSQL is unreachable (database_unavailable); nothing was changed; Retry-After"),
 }
 _BAD_REQUEST = {"400": error("invalid_json, unknown_field, missing_field, invalid_field or invalid_query")}
@@ -128,12 +181,15 @@ def management_document() -> dict[str, Any]:
             "title": "llm-gateway management plane", "version": API_VERSION,
             "description": (
                 "Keys, subject budgets, audit, usage, providers and the response cache. "
-                "/admin/* needs Authorization: Bearer $ADMIN_TOKEN."
+                "/admin/* needs Authorization: Bearer $ADMIN_TOKEN, or a console session "
+                "(cookie, plus X-CSRF-Token on a change; a viewer may only read). "
+                "/ui/ is the admin console (HTML)."
             ),
         },
-        "security": [{"adminToken": []}],
+        "security": [{"adminToken": []}, {"consoleSession": []}],
         "paths": {
             **_common_paths("management"),
+            **_console_paths(),
             "/metrics": {"get": {
                 "operationId": "metrics", "summary": "Prometheus metrics (text exposition format)",
                 "tags": ["health"], "security": [],
@@ -240,7 +296,12 @@ def management_document() -> dict[str, Any]:
             },
         },
         "components": {
-            "securitySchemes": {"adminToken": {"type": "http", "scheme": "bearer", "description": "ADMIN_TOKEN"}},
+            "securitySchemes": {
+                "adminToken": {"type": "http", "scheme": "bearer", "description": "ADMIN_TOKEN"},
+                "consoleSession": {"type": "apiKey", "in": "cookie", "name": "llmg_console",
+                                   "description": "a console session (sign in at /ui/login); "
+                                                  "changes also need X-CSRF-Token"},
+            },
             "schemas": {
                 "Error": ERROR_SCHEMA, "Health": HEALTH, "Key": KEY, "NewKey": NEW_KEY,
                 "RotatedKey": ROTATED_KEY, "KeyList": list_of(ref("Key"), UUID),

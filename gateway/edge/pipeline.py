@@ -22,21 +22,26 @@ delivered.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import orjson
 from aiohttp import web
 
 from gateway.billing.pricing import settle_cost
 from gateway.cache.keys import CacheTicket, replay
-from gateway.core.errors import GatewayError, UpstreamTimeout, UpstreamUnavailable
+from gateway.core.errors import GatewayError, GuardrailBlocked, UpstreamTimeout, UpstreamUnavailable
 from gateway.core.tokens import prompt_tokens
 from gateway.core.usage import CallRecord, usage_from_answer
 from gateway.edge import telemetry
 from gateway.edge.dispatch import NativeCall, dispatch
 from gateway.edge.ratelimit import admit
+from gateway.guardrails.engine import GuardrailEngine
+from gateway.guardrails.policies import Decision
+from gateway.guardrails.relays import stream_guard
 from gateway.http.admission import ShuttingDown, is_shutdown
 from gateway.http.bodies import bearer_token, read_json_body
 from gateway.http.middleware import request_id_of
@@ -148,6 +153,15 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
         parsed = await protocol.prepare(parsed, key, request)
     model, stream, body = parsed.model, parsed.stream, parsed.body
     route = state.router.resolve(model, key.policy.allowed_models)
+    guard = None if state.guardrails is None else state.guardrails.engine_for(route.group.name, key.key_prefix)
+    decisions: list[Decision] = []
+    if guard is not None:
+        try:
+            parsed, decisions = await _screen_input(guard, parsed)
+        except GuardrailBlocked as exc:
+            _record_refusal(state, request, protocol, key.api_key_id, key.subject_id, parsed, exc)
+            raise
+        body = parsed.body
     cache = None if state.cache is None or not protocol.cacheable else state.cache.ticket(
         route.group.name, model, body, key.api_key_id, key.subject_id, request.headers
     )
@@ -158,6 +172,7 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
         requested_model=model,
         stream=stream,
         protocol=protocol.name,
+        guardrails=tuple((d.policy, d.action, d.direction) for d in decisions),
     )
     # Budget hook: the call's worst case is held before anything is sent (402 if it cannot
     # be), and released at its real cost in the finally below (gateway/billing/gate.py).
@@ -169,8 +184,8 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
         if cache is not None and (hit := await cache.lookup()) is not None:
             return await replay(request, hit, cache, body, record, SSE_HEADERS)
         if stream:
-            return await _stream(request, state, protocol, route, parsed, record, started, cache)
-        return await _whole(state, protocol, route, parsed, record, cache)
+            return await _stream(request, state, protocol, route, parsed, record, started, cache, guard)
+        return await _whole(state, protocol, route, parsed, record, cache, guard)
     except asyncio.CancelledError as exc:
         record.outcome = "cancelled"
         # 499: the client went away; 503: the shutdown ended it (the admission gate answers so).
@@ -189,6 +204,20 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
         telemetry.end_call(request, observed, record)
 
 
+def _record_refusal(
+    state: GatewayState, request: web.Request, protocol: Inbound, api_key_id: Any, subject_id: Any,
+    parsed: Parsed, exc: GuardrailBlocked,
+) -> None:
+    """A call an input policy refused still leaves its ledger row, metric and log line."""
+    record = CallRecord(
+        request_id=request_id_of(request), api_key_id=api_key_id, subject_id=subject_id,
+        requested_model=parsed.model, stream=parsed.stream, protocol=protocol.name,
+        status=exc.status, outcome="blocked", error_type=exc.error_code,
+        guardrails=((exc.policy, "blocked", "input"),),
+    )
+    _finish(state, record)
+
+
 def _finish(state: GatewayState, record: CallRecord) -> None:
     settle_cost(record)  # once, so billing, metrics and logs see the same cost
     for listener in state.call_listeners:
@@ -201,12 +230,15 @@ def _finish(state: GatewayState, record: CallRecord) -> None:
 async def _whole(
     state: GatewayState, protocol: Inbound, route: Route, parsed: Parsed, record: CallRecord,
     cache: CacheTicket | None,
+    guard: GuardrailEngine | None = None,
 ) -> web.Response:
     target, reply = await dispatch(state, route, parsed.body, record, stream=False, native=parsed.native)
     record.status = reply.status
     record.served_model = target.upstream_model
     if not reply.ok:
         record.outcome = "provider_error"
+    if guard is not None and guard.output_policies and reply.ok:
+        reply = await _screen_answer(guard, reply, record)
     if reply.wire != "chat":
         return protocol.native_answer(reply, record, parsed)
     answer = _settle_answer(state, reply, record, target)
@@ -244,6 +276,7 @@ async def _stream(
     record: CallRecord,
     started: float,
     cache: CacheTicket | None,
+    guard: GuardrailEngine | None = None,
 ) -> web.StreamResponse:
     body = parsed.body
     if not parsed.wants_usage:
@@ -260,6 +293,7 @@ async def _stream(
         return protocol.unstreamed(reply)
     prompt_estimate = prompt_tokens(body.get("messages") or [])
     relay = protocol.relay(reply, parsed, state.settings.capture_genai_content, prompt_estimate)
+    screen = stream_guard(guard, reply.wire)
     response = web.StreamResponse(status=200, headers=SSE_HEADERS if cache is None else {
         **SSE_HEADERS, **cache.headers()})
     try:
@@ -267,11 +301,18 @@ async def _stream(
         async for event in reply.events:
             if cache is not None:
                 cache.collect(event)  # raw, as the provider sent it: stored once complete
-            out = relay.feed(event)
+            out = relay.feed(event if screen is None else screen.feed(event))
             if out:
                 await response.write(out)
         if not relay.done:
             raise StreamCut(relay.unfinished)
+    except GuardrailBlocked as exc:
+        # An output policy matched mid-stream: the client gets one error event, never the text.
+        record.outcome, record.error_type = "blocked", exc.error_code
+        try:
+            await response.write(relay.error_event(exc))
+        except ConnectionError:
+            pass
     except (ProviderError, StreamCut, StreamBroken) as exc:
         record.outcome = "cut"
         # "_StreamCut": the ledger's value for a stream that broke, since before the pipeline.
@@ -301,9 +342,48 @@ async def _stream(
     finally:
         await reply.release()
         relay.settle(record, started, prompt_estimate)
+        if screen is not None:
+            record.guardrails += tuple((d.policy, d.action, d.direction) for d in screen.decisions())
         if cache is not None and relay.done:
             cache.store_stream(record)
     return response
+
+
+async def _screen_input(guard: GuardrailEngine, parsed: Parsed) -> tuple[Parsed, list[Decision]]:
+    """The request after the input policies: the chat body, and the native one if any
+    (a native deployment gets what the client sent, so it is screened too)."""
+    body, decisions = await guard.screen_input(parsed.body)
+    native = parsed.native
+    if native is not None and guard.input_policies:
+        native_body, native_decisions = await guard.screen_input(native.body)
+        if native_body is not native.body:
+            native = dataclasses.replace(native, body=native_body)
+        decisions += [d for d in native_decisions if d not in decisions]
+    if body is parsed.body and native is parsed.native:
+        return parsed, decisions
+    return dataclasses.replace(parsed, body=body, native=native), decisions
+
+
+async def _screen_answer(guard: GuardrailEngine, reply: UpstreamReply, record: CallRecord) -> UpstreamReply:
+    """A whole answer after the output policies (chat or native shape); a block raises."""
+    answer = reply.answer
+    if answer is None:
+        try:
+            answer = orjson.loads(reply.body)
+        except orjson.JSONDecodeError:
+            return reply
+        if not isinstance(answer, dict):
+            return reply
+    try:
+        screened, decisions = await guard.screen_answer(answer)
+    except GuardrailBlocked as exc:
+        record.guardrails += ((exc.policy, "blocked", "output"),)
+        record.outcome = "blocked"
+        raise
+    record.guardrails += tuple((d.policy, d.action, d.direction) for d in decisions)
+    if screened is answer:
+        return reply
+    return dataclasses.replace(reply, body=orjson.dumps(screened), answer=screened)
 
 
 def _answer_text(choices: list[Any]) -> str | None:

@@ -1,9 +1,15 @@
 """Rate limits at the edge: the per-IP guard, per-key admission, and the headers.
 
-* :func:`ratelimit_middleware` (data plane) asks the limiter about the client's address
-  before any ``/v1/`` handler runs, so a flood is refused before authentication and any
-  database work; after the handler ends, on every path (answer, error, cancellation,
-  client gone), it releases the request's :class:`Permit` exactly once.
+* :func:`ratelimit_middleware` (data plane) guards each client address on ``/v1/``:
+  every request counts against a generous cap (``per_ip_all``); unauthenticated and
+  failed attempts count against ``per_ip``, and once an address has spent that, its
+  requests that would cost a key lookup are refused before authentication (a flood of
+  bad or missing keys costs no database work), while callers with cached valid keys go
+  on. After the handler ends, on every path (answer, error, cancellation, client gone),
+  it releases the request's :class:`Permit` exactly once.
+* :func:`client_ip`: the TCP peer, or the client a trusted proxy names
+  (``rate_limits.trusted_proxies``) in ``X-Forwarded-For`` / ``Forwarded``; IPv6
+  clients are keyed by their /64 (one host usually holds a whole /64).
 * :func:`admit` is what a handler calls right after authentication: the key's limits,
   a 429 when one is hit, and the ``x-ratelimit-*`` headers for whatever answer follows.
 * :func:`add_ratelimit_headers` (``on_response_prepare``) puts those headers on every
@@ -13,13 +19,16 @@
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from actors.auth import VerifiedKey
+from actors.auth import Unauthenticated, VerifiedKey
 from actors.limiter import Permit
 from gateway.core.errors import RateLimited
+from gateway.http.bodies import bearer_token
 from gateway.http.state import STATE
 
 __all__ = ["PERMIT", "add_ratelimit_headers", "admit", "client_ip", "ratelimit_middleware"]
@@ -33,9 +42,69 @@ GUARDED_PREFIX = "/v1/"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def client_ip(request: web.Request) -> str:
-    """The peer's address (the gateway's own TCP peer; see docs/rate-limits.md)."""
-    return request.remote or "unknown"
+_Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+_Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+@functools.lru_cache(maxsize=8)
+def _networks(cidrs: tuple[str, ...]) -> tuple[_Network, ...]:
+    return tuple(ipaddress.ip_network(c, strict=False) for c in cidrs)
+
+
+def _parse(text: str) -> _Address | None:
+    text = text.strip().strip('"')
+    if text.startswith("["):  # Forwarded: for="[2001:db8::1]:4711"
+        text = text[1:].partition("]")[0]
+    elif text.count(":") == 1:  # IPv4 with a port
+        text = text.partition(":")[0]
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def _forwarded_chain(request: web.Request) -> list[str]:
+    """Addresses the proxies appended, nearest last (``Forwarded`` wins over XFF)."""
+    forwarded = request.headers.getall("Forwarded", [])
+    if forwarded:
+        chain = []
+        for element in ",".join(forwarded).split(","):
+            for pair in element.split(";"):
+                name, _, value = pair.strip().partition("=")
+                if name.lower() == "for":
+                    chain.append(value)
+        return chain
+    return [part for value in request.headers.getall("X-Forwarded-For", []) for part in value.split(",")]
+
+
+def _key_of(address: _Address) -> str:
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
+def client_ip(request: web.Request, trusted_proxies: tuple[str, ...] = ()) -> str:
+    """The key the per-IP guard counts this request under (see docs/rate-limits.md).
+
+    The TCP peer, unless it is a trusted proxy: then the forwarded chain is read from
+    the right, skipping trusted proxies, and the first other address is the client (a
+    client cannot forge its way past the proxy nearest to us). IPv6 is keyed by /64.
+    """
+    peer = _parse(request.remote or "")
+    if peer is None:
+        return request.remote or "unknown"
+    networks = _networks(trusted_proxies) if trusted_proxies else ()
+    if networks and any(peer in net for net in networks):
+        for raw in reversed(_forwarded_chain(request)):
+            hop = _parse(raw)
+            if hop is None:
+                break  # "unknown" or garbage: stop at the last proxy we trust
+            if not any(hop in net for net in networks):
+                return _key_of(hop)
+            peer = hop
+    return _key_of(peer)
 
 
 async def admit(request: web.Request, key: VerifiedKey) -> Permit:
@@ -53,10 +122,20 @@ async def admit(request: web.Request, key: VerifiedKey) -> Permit:
 
 @web.middleware
 async def ratelimit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    ip: str | None = None
     if request.path.startswith(GUARDED_PREFIX):
-        await request.app[STATE].limiter.check_ip(client_ip(request))
+        state = request.app[STATE]
+        limiter = state.limiter
+        ip = client_ip(request, state.config.rate_limits.trusted_proxies)
+        await limiter.check_ip(ip)  # the generous cap on every request
+        if not state.auth.answers_from_cache(bearer_token(request)):
+            await limiter.check_ip(ip, "peek")  # would cost a lookup: not past its failures
     try:
         return await handler(request)
+    except Unauthenticated:
+        if ip is not None:
+            await request.app[STATE].limiter.check_ip(ip, "failed")
+        raise
     finally:
         permit = request.get(PERMIT)
         if permit is not None:

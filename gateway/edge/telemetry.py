@@ -199,6 +199,7 @@ def install(state: GatewayState) -> None:
     degraded = _reader(state, "limiter", "degraded")
     if degraded is not None:
         metrics.watch_limiter(lambda: bool(degraded()))
+    metrics.watch_background_failures(lambda: _background_failures(state))
     cache = getattr(state, "cache", None)
     if cache is not None:
         metrics.watch_cache(cache.stats)
@@ -208,6 +209,19 @@ def install(state: GatewayState) -> None:
         rejection_listeners.append(metrics.rate_limited)
     state.tracing.providers = state.providers
     state.call_listeners.append(metrics.observe_call)
+
+
+def _background_failures(state: GatewayState) -> dict[str, int]:
+    """Failure counts of the actors' background work, for the metric."""
+    counts = {"key_listen": int(getattr(state.auth, "listen_failures", 0))}
+    billing = getattr(state, "billing", None)
+    if billing is not None:
+        counts["spend_refresh"] = int(getattr(billing, "refresh_failures", 0))
+    limiter = getattr(state, "limiter", None)
+    if limiter is not None and hasattr(limiter, "lease_counts"):
+        lost, failed = limiter.lease_counts
+        counts["lease_lost"], counts["lease_renew"] = lost, failed
+    return counts
 
 
 def _reader(state: GatewayState, component: str, attribute: str) -> Callable[[], Any] | None:

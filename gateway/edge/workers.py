@@ -37,9 +37,32 @@ from gateway.edge.server import SUPERVISOR_PID_ENV, seed_development_key
 from gateway.http.parser_errors import ContractAppRunner
 from gateway.observability.metrics import CONTENT_TYPE
 
-__all__ = ["WorkerPool", "supervise_workers"]
+__all__ = ["WorkerPool", "per_worker_limits_refusal", "supervise_workers"]
 
 log = logging.getLogger("gateway.workers")
+
+def per_worker_limits_refusal(settings: Settings, config: GatewayConfig, workers: int) -> str | None:
+    """Why ``serve --workers N`` must not start as configured, or None.
+
+    With rate limits in memory (no ``REDIS_URL``, or ``rate_limits.storage: memory://``)
+    each worker keeps its own windows, so every limit becomes N times the configured one,
+    and each worker sees only its own in-flight budget use. That is refused unless the
+    operator opts in (``--per-worker-limits``); Redis or PostgreSQL storage is shared.
+    """
+    if workers <= 1:
+        return None
+    storage = config.rate_limits.storage
+    if storage is None:
+        storage = settings.redis_url or "memory://"
+    if not storage.startswith("memory://"):
+        return None
+    return (
+        f"serve --workers {workers}: rate limits are kept in memory (no REDIS_URL), so each of the "
+        f"{workers} workers would allow the full limit ({workers}x in total) and see only its own "
+        "in-flight budget use; set REDIS_URL (or rate_limits.storage: redis://... or postgres), "
+        "or pass --per-worker-limits to accept that"
+    )
+
 
 #: How long a worker must live to count as started well (resets the restart backoff).
 STABLE_SECONDS = 10.0

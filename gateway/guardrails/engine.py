@@ -79,7 +79,15 @@ def load_hook(reference: str) -> HookFunction:
 
 
 def _text_slots(body: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
-    """Each (container, key) of ``body``'s prompt that holds text, in order."""
+    """Each (container, key) of ``body``'s prompt that holds text, in order: a chat body's
+    messages, or an Anthropic Messages body's ``system`` and messages as sent."""
+    system = body.get("system")
+    if isinstance(system, str):
+        yield body, "system"
+    elif isinstance(system, list):
+        for block in system:
+            if isinstance(block, dict) and isinstance(block.get("text"), str):
+                yield block, "text"
     messages = body.get("messages")
     if not isinstance(messages, list):
         return
@@ -96,6 +104,12 @@ def _text_slots(body: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
 
 
 def _answer_slots(answer: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str]]:
+    """Each text of a whole answer: chat's choices, or an Anthropic message's text blocks."""
+    content = answer.get("content")
+    if isinstance(content, list):
+        for block in content:
+            if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
+                yield block, "text"
     choices = answer.get("choices")
     if not isinstance(choices, list):
         return

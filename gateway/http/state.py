@@ -14,6 +14,7 @@ from actors.runtime import Supervisor
 from gateway.auth.keys import KeyStore
 from gateway.core.config import GatewayConfig, Settings
 from gateway.core.usage import CallRecord
+from gateway.guardrails.registry import Guardrails
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import Tracing
 from gateway.providers import Provider
@@ -57,6 +58,8 @@ class GatewayState:
     tracing: Tracing = field(default_factory=Tracing)
     #: The response cache (see actors/cache.py); None only in states built without it.
     cache: CacheHandle | None = None
+    #: Guardrail policies per model group and key (gateway/guardrails); None: none configured.
+    guardrails: Guardrails | None = None
 
     def deployment_health(self) -> list[DeploymentStatus]:
         """Every configured deployment with circuit state, recent latency and error rate,

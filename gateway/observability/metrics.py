@@ -111,7 +111,7 @@ OVERFLOW_LABEL = "other"
 AUTH_FAILURE_REASONS = ("missing", "malformed", "unknown", "revoked", "expired", "unavailable")
 #: ``gateway_circuit_state`` values (contract §9).
 CIRCUIT_STATES: Mapping[str, int] = {"closed": 0, "half-open": 1, "half_open": 1, "open": 2}
-CALL_OUTCOMES = ("ok", "provider_error", "upstream_error", "cancelled", "cut")
+CALL_OUTCOMES = ("ok", "provider_error", "upstream_error", "cancelled", "cut", "blocked")
 #: ``result`` values of ``gateway_cache_requests_total``, and the cache counter each reads.
 CACHE_RESULTS: Mapping[str, str] = {"hit": "hits", "miss": "misses", "bypass": "bypasses"}
 
@@ -288,6 +288,11 @@ class GatewayMetrics:
             "gateway_unpriced_calls_total", "Calls recorded at zero cost because no price was known.",
             ["model"], registry=r,
         )
+        self.guardrail_decisions = Counter(
+            "gateway_guardrail_decisions_total",
+            "What guardrail policies did (blocked, redacted, logged, failed_open), by policy and direction.",
+            ["policy", "action", "direction"], registry=r,
+        )
         self.upstream_retries = Counter(
             "gateway_upstream_retries_total", "Upstream attempts repeated, by provider and reason (status or error).",
             ["provider", "reason"], registry=r,
@@ -408,6 +413,24 @@ class GatewayMetrics:
         """A semantic cache search's best similarity (the cache's similarity listener)."""
         self._similarity[hit].observe(similarity)
 
+    def watch_background_failures(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        """Read ``{task: failures}`` of the actors' background work at each scrape, for
+        ``gateway_background_failures_total`` (key_listen, spend_refresh, lease_renew,
+        lease_lost): each one means shared state (revocations, budgets, concurrency) may
+        be stale, so alert on any increase."""
+
+        def families() -> list[Metric]:
+            family = CounterMetricFamily(
+                "gateway_background_failures",
+                "Failures of background work that keeps shared state fresh, by task.",
+                labels=["task"],
+            )
+            for task, value in counts().items():
+                family.add_metric([task], value)
+            return [family]
+
+        self.watch(families)
+
     def watch(self, families: Callable[[], Iterable[Metric]]) -> None:
         """Add a reader of more metric families, called on the loop at each scrape."""
         self._readers.extra.append(families)
@@ -418,6 +441,8 @@ class GatewayMetrics:
 
         Runs right after the call ends, so ``now`` is the call's end for the timings.
         """
+        for policy, action, direction in record.guardrails:
+            self.guardrail_decisions.labels(policy, action, direction).inc()
         if record.cache == "hit":
             self._observe_hit(record)
             return

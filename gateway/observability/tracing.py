@@ -255,6 +255,8 @@ class Tracing:
             attrs[ERROR_TYPE] = error
             span.set_status(Status(StatusCode.ERROR))
         span.set_attributes(attrs)
+        for policy, action, direction in record.guardrails:
+            span.add_event("gateway.guardrail", {"policy": policy, "action": action, "direction": direction})
 
     @staticmethod
     def _add_content(span: trace.Span, input_messages: str, record: CallRecord) -> None:
