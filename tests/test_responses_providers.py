@@ -154,3 +154,24 @@ def test_responses_api_is_an_openai_provider_setting_and_retention_a_number(tmp_
     with pytest.raises(ConfigError) as bad:
         load_settings({"RESPONSES_RETENTION_DAYS": "0"})
     assert str(bad.value).startswith("RESPONSES_RETENTION_DAYS: ")
+
+
+async def test_with_guardrails_a_native_deployment_gets_the_screened_chat_translation(
+    gateway_factory: Any, native: FakeUpstream, api_key: str
+) -> None:
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"native": {"type": "openai", "base_url": native.url, "api_key": "sk-native", "responses_api": True}},
+        [{"name": "guarded", "guardrails": ["topics"],
+          "deployments": [{"provider": "native", "model": "gpt-up"}]}],
+        guardrails={"policies": {"topics": {"type": "terms", "mode": "block", "terms": ["project falcon"]}}}))
+    api = client(gw, api_key)
+    with pytest.raises(openai.BadRequestError) as blocked:
+        await api.responses.create(model="guarded", input="tell me about Project Falcon")
+    assert blocked.value.code == "guardrail_blocked"
+    assert (await native.stats())["requests"] == 0  # a refused prompt never goes upstream
+    made = await api.responses.create(model="guarded", input="tell me about the weather")
+    assert made.output_text == "This is a mock answer to: tell me about the weather"
+    assert (await upstream(native))["path"] == "/v1/chat/completions"  # screened as chat
+    with pytest.raises(openai.BadRequestError) as builtin:  # only the native wire could run it
+        await api.responses.create(model="guarded", input="news", tools=[{"type": "web_search"}])
+    assert builtin.value.code == "unsupported_tool"

@@ -57,6 +57,9 @@ __all__ = ["SSE_HEADERS", "Inbound", "Parsed", "StreamCut", "StreamRelay", "serv
 
 log = logging.getLogger("gateway.chat")
 
+#: Native protocols whose requests and answers the guardrail policies can read as sent.
+GUARDED_NATIVE = frozenset({"anthropic"})
+
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -155,6 +158,12 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
     route = state.router.resolve(model, key.policy.allowed_models)
     guard = None if state.guardrails is None else state.guardrails.engine_for(route.group.name, key.key_prefix)
     decisions: list[Decision] = []
+    if guard is not None and parsed.native is not None and parsed.native.protocol not in GUARDED_NATIVE:
+        # The policies read chat and Anthropic shapes only: such a call takes the chat
+        # translation, where they apply to prompt and answer alike, or, if it has none, is refused.
+        if parsed.native.chat_error is not None:
+            raise parsed.native.chat_error
+        parsed = dataclasses.replace(parsed, native=None)
     if guard is not None:
         try:
             parsed, decisions = await _screen_input(guard, parsed)
