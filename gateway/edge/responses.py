@@ -71,7 +71,9 @@ class _Call:
     saver: ResponseStore | None = field(default=None, repr=False)
 
     def keep(self, response: dict[str, Any]) -> None:
-        """Store ``response`` (behind the answer) when the client asked for it."""
+        """Settle a finished ``response``: the client's ``store`` and ``previous_response_id``
+        in it (a native deployment was sent neither), then stored behind the answer if asked.
+        A failed or cut response is neither."""
         if response.get("status") not in ("completed", "incomplete") or not isinstance(response.get("id"), str):
             return
         response["store"] = self.store
