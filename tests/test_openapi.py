@@ -178,6 +178,13 @@ def _create_key_over_http(base_url: str) -> str:
     return str(resp.json()["api_key_id"])
 
 
+def _create_response_over_http(base_url: str, key: str) -> str:
+    resp = requests.post(f"{base_url}/v1/responses", json={"model": "m", "input": "fuzz me"}, headers=auth(key),
+                         timeout=10)
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["id"])
+
+
 def _create_budget_over_http(base_url: str) -> str:
     subject = str(uuid.uuid4())
     resp = requests.put(f"{base_url}/admin/budgets/{subject}", json={"budget_usd": 1}, headers=auth(ADMIN_TOKEN), timeout=10)
@@ -201,7 +208,9 @@ async def test_schemathesis_finds_no_server_error_on_the_data_plane(admin_gatewa
     raw, _ = await key_factory(rate_limit_requests=1_000_000)
     base_url = str(admin_gateway.data.make_url("")).rstrip("/")
     # /passthrough/{provider}/{path}: the configured provider's echo route answers any method.
-    real_passthrough = {"provider": lambda: {"provider": "fake", "path": "echo"}}
-    report = await asyncio.to_thread(_fuzz, data_plane_document(), base_url, auth(raw), real_passthrough)
+    real = {"provider": lambda: {"provider": "fake", "path": "echo"},
+            # /v1/responses/{response_id}: a response stored by this key's subject.
+            "response_id": lambda: _create_response_over_http(base_url, raw)}
+    report = await asyncio.to_thread(_fuzz, data_plane_document(), base_url, auth(raw), real)
     assert not report.failures, "\n\n".join(report.failures)
     assert not report.unreached(), f"never answered 2xx: {report.unreached()} ({dict(report.statuses)})"

@@ -172,6 +172,9 @@ class ProviderConfig(_Section):
     #: Where ``api_key`` was read from, if a file: providers re-read it when it changes,
     #: so a rotated key takes effect without a restart (gateway/providers/credentials.py).
     api_key_file: Path | None = None
+    #: The deployment serves OpenAI's Responses API (``/responses``) itself: a
+    #: ``/v1/responses`` call passes through instead of being translated to chat.
+    responses_api: StrictBool = False
     #: Type-specific settings (``PROVIDER_OPTIONS``), e.g. Azure's ``api_version``.
     options: tuple[tuple[str, str], ...] = ()
 
@@ -221,6 +224,8 @@ class ProviderConfig(_Section):
     def _base_url_needed(self) -> ProviderConfig:
         if self.type not in _NO_BASE_URL and not self.base_url:
             raise problem(f"required for type {self.type}", at="base_url")
+        if self.responses_api and self.type != "openai":
+            raise problem("only an openai-type provider serves the Responses API natively", at="responses_api")
         self._check_credentials()
         extra = PROVIDER_EXTRAS.get(self.type)
         if extra is not None and not extra_installed(extra):

@@ -54,6 +54,8 @@ class Settings:
     #: Full OTLP/HTTP traces URL (``.../v1/traces``); None: no spans are made at all.
     otel_endpoint: str | None = None
     shutdown_grace: float = 30.0
+    #: How long a stored Responses API answer (``store`` true) is kept, in days.
+    responses_retention_days: float = 30.0
     #: Requests in flight on /v1/* before 503 overloaded; None: sized from the open-file limit.
     max_in_flight: int | None = None
     #: A client connection that completes no request head for this long is closed (slowloris).
@@ -216,6 +218,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         otel_service_name=env.get("OTEL_SERVICE_NAME") or "llm-gateway",
         otel_endpoint=_otlp_traces_url(env),
         shutdown_grace=_number(env, "SHUTDOWN_GRACE_SECONDS", 30.0, integer=False, minimum=0),
+        responses_retention_days=_number(env, "RESPONSES_RETENTION_DAYS", 30.0, integer=False, minimum=0.0001),
         max_in_flight=_number(env, "MAX_IN_FLIGHT", 0, integer=True, minimum=1) or None,
         client_idle_timeout=_number(env, "CLIENT_IDLE_TIMEOUT_SECONDS", 75.0, integer=False, minimum=0.1),
         venice_api_key_file=file_source(env, "VENICE_API_KEY"),

@@ -34,7 +34,17 @@ from gateway.billing.reservations import ReservationStore, open_reservations
 from gateway.core.config import GatewayConfig, Settings
 from gateway.core.db import connect_pool, migrate
 from gateway.core.usage import CallRecord
-from gateway.edge import chat, completions, dataplane, messages, openapi, passthrough, ratelimit, telemetry
+from gateway.edge import (
+    chat,
+    completions,
+    dataplane,
+    messages,
+    openapi,
+    passthrough,
+    ratelimit,
+    responses,
+    telemetry,
+)
 from gateway.edge.guardrails import build_guardrails
 from gateway.edge.reload import ConfigReloader, ProviderPools, default_source
 from gateway.http.admission import ADMISSION, AdmissionGate, admission_middleware, default_max_in_flight
@@ -221,6 +231,7 @@ def build_data_app(state: GatewayState) -> web.Application:
     app.router.add_get("/readyz", dataplane.readyz)
     app.router.add_post("/v1/chat/completions", chat.chat_completions)
     app.router.add_post("/v1/completions", completions.completions)
+    responses.install(app, state)
     app.router.add_post("/v1/messages", messages.messages)
     app.router.add_post("/v1/messages/count_tokens", messages.count_tokens)
     app.router.add_get("/v1/models", dataplane.list_models)

@@ -31,7 +31,7 @@ on the deployment, so one unlucky call cannot open a circuit. A stream is watche
 end, so a stream cut mid-way counts as a failure.
 
 A call may carry the request as its client sent it (:class:`NativeCall`): a target whose
-provider speaks that protocol natively (``speaks_messages``) gets it, with only the model
+provider speaks that protocol natively (``speaks_messages``, ``speaks_responses``) gets it, with only the model
 name changed, and its reply comes back in that wire; every other target gets the chat body.
 
 What a client learns of a failure is the contract's message and its request id; the
@@ -70,6 +70,7 @@ from gateway.core.usage import CallRecord
 from gateway.edge import telemetry
 from gateway.http.state import GatewayState
 from gateway.protocols.anthropic_stream import is_message_stop
+from gateway.protocols.responses_stream import is_response_end
 from gateway.protocols.sse import event_data
 from gateway.providers.base import (
     Provider,
@@ -97,7 +98,8 @@ _PROBE_LEASE_MARGIN = 5.0
 
 @dataclass(frozen=True, slots=True)
 class NativeCall:
-    """An Anthropic Messages request as its client sent it, for deployments that speak it."""
+    """A request as its client sent it (Anthropic Messages, or OpenAI Responses), for
+    deployments that speak its protocol."""
 
     body: dict[str, Any]
     #: Client headers the native API reads (``anthropic-version``, ``anthropic-beta``).
@@ -105,6 +107,12 @@ class NativeCall:
     #: Why the request has no chat translation (e.g. a document block): only targets
     #: speaking it natively may take it; with none, this is the answer.
     chat_error: GatewayError | None = None
+    #: The protocol of ``body``: "anthropic" or "responses".
+    protocol: str = "anthropic"
+
+    def spoken_by(self, provider: Provider) -> bool:
+        """Whether ``provider`` takes this request natively."""
+        return provider.speaks_responses if self.protocol == "responses" else provider.speaks_messages
 
     def for_model(self, model: str) -> dict[str, Any]:
         return self.body if self.body.get("model") == model else {**self.body, "model": model}
@@ -225,7 +233,7 @@ class _Call:
                 ordered = [t for t in ordered if providers[t.provider].serves_embeddings]
             elif self.native is not None and self.native.chat_error is not None:
                 providers = self.state.providers
-                ordered = [t for t in ordered if providers[t.provider].speaks_messages]
+                ordered = [t for t in ordered if self.native.spoken_by(providers[t.provider])]
             for index, target in enumerate(ordered):
                 key = (target.deployment.id, target.upstream_model)
                 if key in seen:
@@ -318,8 +326,9 @@ class _Call:
             try:
                 if self.embeddings:
                     reply = await provider.embeddings(body, headers=self.headers, timeouts=timeouts)
-                elif self.native is not None and provider.speaks_messages:
-                    reply = await provider.messages(
+                elif self.native is not None and self.native.spoken_by(provider):
+                    send = provider.responses if self.native.protocol == "responses" else provider.messages
+                    reply = await send(
                         self.native.for_model(target.upstream_model), stream=self.stream,
                         headers={**self.headers, **self.native.headers}, timeouts=timeouts,
                     )
@@ -455,7 +464,7 @@ def _watch(reply: UpstreamReply, first: bytes, deployment: str, breaker: Breaker
     """
     inner = reply.events
     assert inner is not None
-    ends = _is_done if reply.wire == "chat" else is_message_stop
+    ends = _is_done if reply.wire == "chat" else is_response_end if reply.wire == "responses" else is_message_stop
 
     async def events() -> AsyncIterator[bytes]:
         done = ends(first)

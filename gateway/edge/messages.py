@@ -210,7 +210,7 @@ class AnthropicMessages(Inbound):
             raise UpstreamUnavailable("upstream answered something other than a chat completion")
         return _json(200, orjson.dumps(from_chat_completion(answer, model=parsed.model)))
 
-    def native_answer(self, reply: UpstreamReply, record: CallRecord) -> web.Response:
+    def native_answer(self, reply: UpstreamReply, record: CallRecord, parsed: Parsed) -> web.Response:
         try:
             message = orjson.loads(reply.body) if reply.ok else None
         except orjson.JSONDecodeError:

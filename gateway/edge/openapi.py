@@ -41,6 +41,7 @@ from gateway.edge.openapi_shapes import (
     EMBEDDINGS_REQUEST,
     ERROR_SCHEMA,
     HEALTH,
+    INPUT_ITEM_LIST,
     JSON,
     KEY,
     MESSAGES_REQUEST,
@@ -49,6 +50,10 @@ from gateway.edge.openapi_shapes import (
     PROVIDERS,
     READY,
     RELOAD_OUTCOME,
+    RESPONSE_DELETED,
+    RESPONSE_EVENT,
+    RESPONSE_OBJECT,
+    RESPONSE_REQUEST,
     ROTATED_KEY,
     SUBJECT_BUDGET,
     USAGE_REPORT,
@@ -372,6 +377,56 @@ def _passthrough_item() -> dict[str, Any]:
     } for method in PASSTHROUGH_METHODS}
 
 
+def _responses_paths() -> dict[str, Any]:
+    """``/v1/responses`` and its stored responses (gateway/edge/responses.py)."""
+    response_id = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    not_found = error("no stored response with this id for the key's subject (response_not_found)")
+    return {
+        "/v1/responses": {"post": {
+            "operationId": "createResponse",
+            "summary": "OpenAI Responses API, stream false or true, any provider behind it; stored unless store is false",
+            "tags": ["openai"],
+            "requestBody": {"required": True, "content": {JSON: {"schema": ref("ResponseRequest")}}},
+            "responses": {
+                "200": {
+                    "description": "a response, or with stream true the typed SSE events ending response.completed",
+                    "content": {JSON: {"schema": ref("Response")}, "text/event-stream": {"schema": ref("ResponseEvent")}},
+                },
+                "400": error("malformed body (invalid_json, invalid_model, invalid_input, unsupported_tool, "
+                             "previous_response_not_found, ...)"),
+                **_KEY_ERRORS, **_UPSTREAM_ERRORS, **_PROVIDER_ANSWER,
+            },
+        }},
+        "/v1/responses/{response_id}": {
+            "get": {
+                "operationId": "getResponse", "summary": "A stored response", "tags": ["openai"],
+                "parameters": [response_id],
+                "responses": {"200": json_body(ref("Response"), "the stored response"), "404": not_found,
+                              "401": _KEY_ERRORS["401"], "429": _KEY_ERRORS["429"]},
+            },
+            "delete": {
+                "operationId": "deleteResponse", "summary": "Delete a stored response", "tags": ["openai"],
+                "parameters": [response_id],
+                "responses": {"200": json_body(RESPONSE_DELETED, "deleted"), "404": not_found,
+                              "401": _KEY_ERRORS["401"], "429": _KEY_ERRORS["429"]},
+            },
+        },
+        "/v1/responses/{response_id}/input_items": {"get": {
+            "operationId": "listInputItems", "summary": "The input items a stored response answered",
+            "tags": ["openai"],
+            "parameters": [
+                response_id,
+                {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 100}},
+                {"name": "after", "in": "query", "schema": {"type": "string"}},
+            ],
+            "responses": {"200": json_body(INPUT_ITEM_LIST, "a page of input items"), "404": not_found,
+                          "400": error("bad order, limit or after (invalid_order, invalid_limit, invalid_after)"),
+                          "401": _KEY_ERRORS["401"], "429": _KEY_ERRORS["429"]},
+        }},
+    }
+
+
 def data_plane_document() -> dict[str, Any]:
     """The data plane: health, readiness, chat completions, Anthropic messages, models, embeddings."""
     return {
@@ -459,6 +514,7 @@ def data_plane_document() -> dict[str, Any]:
                     **_KEY_ERRORS, **_UPSTREAM_ERRORS, **_PROVIDER_ANSWER,
                 },
             }},
+            **_responses_paths(),
             "/passthrough/{provider}/{path}": _passthrough_item(),
         },
         "components": {
@@ -472,6 +528,7 @@ def data_plane_document() -> dict[str, Any]:
                 "ModelList": MODEL_LIST, "MessagesRequest": MESSAGES_REQUEST, "CompletionRequest": COMPLETION_REQUEST,
                 "CountTokensRequest": COUNT_TOKENS_REQUEST, "AnthropicMessage": ANTHROPIC_MESSAGE,
                 "AnthropicEvent": ANTHROPIC_EVENT, "AnthropicError": ANTHROPIC_ERROR,
+                "ResponseRequest": RESPONSE_REQUEST, "Response": RESPONSE_OBJECT, "ResponseEvent": RESPONSE_EVENT,
             },
         },
     }

@@ -31,11 +31,16 @@ __all__ = [
     "ERROR_REF",
     "ERROR_SCHEMA",
     "HEALTH",
+    "INPUT_ITEM_LIST",
     "KEY",
     "MODEL_LIST",
     "NEW_KEY",
     "PROVIDERS",
     "READY",
+    "RESPONSE_DELETED",
+    "RESPONSE_EVENT",
+    "RESPONSE_OBJECT",
+    "RESPONSE_REQUEST",
     "ROTATED_KEY",
     "SUBJECT_BUDGET",
     "USAGE_REPORT",
@@ -491,4 +496,47 @@ COMPLETION_REQUEST = {
         "prompt": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1}]},
         "stream": {"type": "boolean"},
     },
+}
+
+
+RESPONSE_REQUEST = {
+    "type": "object", "required": ["model", "input"],
+    "description": "OpenAI's Responses API. Only the fields the gateway checks are listed; the rest follow "
+                   "OpenAI's documentation (docs/protocols.md says what is translated for chat deployments)",
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "pattern": r"\S"},
+        "input": {"anyOf": [{"type": "string", "minLength": 1},
+                            {"type": "array", "minItems": 1, "items": {"type": "object"}}]},
+        "instructions": {"type": ["string", "null"]},
+        "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+        "metadata": {"type": ["object", "null"]},
+        "text": {"type": ["object", "null"]},
+        "store": {"type": ["boolean", "null"]},
+        "stream": {"type": ["boolean", "null"]},
+        "previous_response_id": {"type": ["string", "null"], "minLength": 1},
+    },
+}
+RESPONSE_OBJECT = {
+    "type": "object", "required": ["id", "object", "status", "output"],
+    "properties": {
+        "id": {"type": "string"}, "object": {"const": "response"}, "status": {"type": "string"},
+        "output": {"type": "array", "items": {"type": "object"}}, "usage": {"type": ["object", "null"]},
+    },
+}
+RESPONSE_EVENT = {
+    "type": "object", "required": ["type", "sequence_number"],
+    "description": "one typed event (event: TYPE, data: this), sequence_number 0, 1, 2, ...",
+    "properties": {"type": {"type": "string"}, "sequence_number": {"type": "integer", "minimum": 0}},
+}
+INPUT_ITEM_LIST = {
+    "type": "object", "required": ["object", "data", "has_more"],
+    "properties": {
+        "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}},
+        "first_id": {"type": ["string", "null"]}, "last_id": {"type": ["string", "null"]},
+        "has_more": {"type": "boolean"},
+    },
+}
+RESPONSE_DELETED = {
+    "type": "object", "required": ["id", "object", "deleted"],
+    "properties": {"id": {"type": "string"}, "object": {"const": "response"}, "deleted": {"const": True}},
 }

@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 from aiohttp import web
@@ -50,9 +50,15 @@ from gateway.protocols.anthropic_stream import StreamBroken
 from gateway.providers.base import ProviderError, UpstreamReply, UpstreamTimeoutError
 from gateway.relay.routing import Route, Target
 
+if TYPE_CHECKING:
+    from actors.auth import VerifiedKey
+
 __all__ = ["SSE_HEADERS", "Inbound", "Parsed", "StreamCut", "StreamRelay", "serve"]
 
 log = logging.getLogger("gateway.chat")
+
+#: Native protocols whose requests and answers the guardrail policies can read as sent.
+GUARDED_NATIVE = frozenset({"anthropic"})
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -112,15 +118,21 @@ class Inbound:
     name: ClassVar[str] = "chat"
     #: Whether the response cache serves this protocol.
     cacheable: ClassVar[bool] = False
+    #: Whether :meth:`prepare` must run (it may read state, e.g. a stored conversation).
+    prepares: ClassVar[bool] = False
 
     def parse(self, body: dict[str, Any], request: web.Request) -> Parsed:
         raise NotImplementedError
+
+    async def prepare(self, parsed: Parsed, key: VerifiedKey, request: web.Request) -> Parsed:
+        """The request completed with what only the key's subject may read (before routing)."""
+        return parsed
 
     def answer(self, reply: UpstreamReply, answer: dict[str, Any] | None, parsed: Parsed) -> web.Response:
         """A whole answer in the internal shape (``reply.wire == "chat"``), for the client."""
         raise NotImplementedError
 
-    def native_answer(self, reply: UpstreamReply, record: CallRecord) -> web.Response:
+    def native_answer(self, reply: UpstreamReply, record: CallRecord, parsed: Parsed) -> web.Response:
         """A whole answer in this protocol's own shape, relayed; the record filled from it."""
         raise NotImplementedError
 
@@ -140,10 +152,18 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
     # Released by the rate-limit middleware on every path; it charges record's usage then.
     permit = await admit(request, key)
     parsed = protocol.parse(await read_json_body(request, state.settings.body_limit), request)
+    if protocol.prepares:
+        parsed = await protocol.prepare(parsed, key, request)
     model, stream, body = parsed.model, parsed.stream, parsed.body
     route = state.router.resolve(model, key.policy.allowed_models)
     guard = None if state.guardrails is None else state.guardrails.engine_for(route.group.name, key.key_prefix)
     decisions: list[Decision] = []
+    if guard is not None and parsed.native is not None and parsed.native.protocol not in GUARDED_NATIVE:
+        # The policies read chat and Anthropic shapes only: such a call takes the chat
+        # translation, where they apply to prompt and answer alike, or, if it has none, is refused.
+        if parsed.native.chat_error is not None:
+            raise parsed.native.chat_error
+        parsed = dataclasses.replace(parsed, native=None)
     if guard is not None:
         try:
             parsed, decisions = await _screen_input(guard, parsed)
@@ -229,7 +249,7 @@ async def _whole(
     if guard is not None and guard.output_policies and reply.ok:
         reply = await _screen_answer(guard, reply, record)
     if reply.wire != "chat":
-        return protocol.native_answer(reply, record)
+        return protocol.native_answer(reply, record, parsed)
     answer = _settle_answer(state, reply, record, target)
     response = protocol.answer(reply, answer, parsed)
     if cache is not None:

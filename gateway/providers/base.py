@@ -168,7 +168,8 @@ class UpstreamReply:
     #: The upstream response id and model, when known before the body is read.
     extra: dict[str, Any] = field(default_factory=dict)
     #: The protocol of ``body`` / ``events``: "chat" (the internal shape, what
-    #: :meth:`Provider.chat` answers) or "anthropic" (:meth:`Provider.messages`, as sent).
+    #: :meth:`Provider.chat` answers), "anthropic" (:meth:`Provider.messages`, as sent)
+    #: or "responses" (:meth:`Provider.responses`, as sent).
     wire: str = "chat"
     _release: Callable[[], Awaitable[None] | None] | None = None
 
@@ -207,9 +208,13 @@ class Provider:
     #: Whether :meth:`messages` and :meth:`count_tokens` speak Anthropic's Messages API
     #: natively (a ``/v1/messages`` call then passes through instead of being translated).
     speaks_messages: bool = False
+    #: Whether :meth:`responses` speaks OpenAI's Responses API natively (set per provider
+    #: by ``responses_api: true``; a ``/v1/responses`` call then passes through).
+    speaks_responses: bool = False
 
     def __init__(self, config: ProviderConfig, *, request_timeout: float) -> None:
         self.config = config
+        self.speaks_responses = config.responses_api
         self.name = config.name
         #: The provider key; re-read from its file when rotated (see credentials.py).
         self.credential = Credential(config.api_key, config.api_key_file, provider=config.name)
@@ -244,6 +249,17 @@ class Provider:
     ) -> UpstreamReply:
         """Send an Anthropic Messages body unchanged (only where :attr:`speaks_messages`)."""
         raise UpstreamProtocolError(f"provider {self.name} does not speak the Messages API")
+
+    async def responses(
+        self,
+        body: dict[str, Any],
+        *,
+        stream: bool,
+        headers: Mapping[str, str],
+        timeouts: Timeouts | None = None,
+    ) -> UpstreamReply:
+        """Send a Responses API body unchanged (only where :attr:`speaks_responses`)."""
+        raise UpstreamProtocolError(f"provider {self.name} does not speak the Responses API")
 
     async def count_tokens(
         self, body: dict[str, Any], *, headers: Mapping[str, str], timeouts: Timeouts | None = None

@@ -31,7 +31,8 @@ __all__ = ["OpenAIProvider"]
 
 
 class OpenAIProvider(Provider):
-    """Speaks the OpenAI wire to ``base_url`` (``/chat/completions``, ``/embeddings``)."""
+    """Speaks the OpenAI wire to ``base_url`` (``/chat/completions``, ``/embeddings``, and
+    ``/responses`` where ``responses_api`` says the deployment serves it)."""
 
     system = "openai"
     serves_embeddings = True
@@ -43,6 +44,7 @@ class OpenAIProvider(Provider):
         self._session = session
         self._chat_url = f"{config.base_url}/chat/completions"
         self._embeddings_url = f"{config.base_url}/embeddings"
+        self._responses_url = f"{config.base_url}/responses"
         # The key is added per call by keyed_headers(), so a rotated key file takes effect.
         self._headers: dict[str, str] = {
             "Content-Type": "application/json", **IDENTITY_ENCODING, **dict(config.headers)
@@ -66,6 +68,20 @@ class OpenAIProvider(Provider):
         return await self._post(
             self._chat_url, orjson.dumps(body), stream=stream, headers=headers, timeouts=timeouts
         )
+
+    async def responses(
+        self,
+        body: dict[str, Any],
+        *,
+        stream: bool,
+        headers: Mapping[str, str],
+        timeouts: Timeouts | None = None,
+    ) -> UpstreamReply:
+        reply = await self._post(
+            self._responses_url, orjson.dumps(body), stream=stream, headers=headers, timeouts=timeouts
+        )
+        reply.wire = "responses"
+        return reply
 
     async def embeddings(
         self, body: dict[str, Any], *, headers: Mapping[str, str], timeouts: Timeouts | None = None

@@ -6,7 +6,8 @@ Tests and the benchmark run it on 127.0.0.1 in place of a real provider::
         [--latency-ms N] [--chunks N] [--chunk-delay-ms N] [--cost] \
         [--require-key KEY] [--compress accepted|always] [--uvloop]
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``POST /v1/messages``,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/embeddings``, ``POST /v1/responses`` (OpenAI's
+Responses API, :mod:`gateway.testing.fake_responses`), ``POST /v1/messages``,
 ``POST /v1/messages/count_tokens`` and ``GET /v1/models`` and ``/v1/echo`` (any method: what arrived, for pass-through tests). Offered ``tools``, both
 wires answer with a tool call (until the last turn is the tool's result).  Failures are scripted through ``POST /_fake/script``
 (``{"steps": [step, ...]}``, a FIFO popped by each chat or messages request;
@@ -61,6 +62,7 @@ from gateway.testing.fake_llm import (
     openai_tool_completion,
     stream_chunks,
 )
+from gateway.testing.fake_responses import responses_answer, responses_events
 
 __all__ = ["STATE_KEY", "FakeConfig", "FakeState", "main", "make_app"]
 
@@ -470,6 +472,27 @@ async def _answer(request: web.Request, wire: _Wire) -> web.StreamResponse:
 # --------------------------------------------------------------------------- handlers
 
 
+async def _responses(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/responses`` (OpenAI's Responses API, served natively); of a step it
+    honours ``status``, ``delay_ms``, ``chunk_delay_ms`` and ``cut_after_chunks``."""
+    state = request.app[STATE_KEY]
+    body = _loads(await state.record(request))
+    if not isinstance(body, dict):
+        return _OPENAI.error(400, "request body must be a JSON object", "invalid_request_error", "invalid_json")
+    step = state.next_step()
+    delay = (state.config.latency_ms + _number(step, "delay_ms", 0)) / 1000
+    if delay:
+        await asyncio.sleep(delay)
+    if "status" in step:
+        return _status_response(_OPENAI, step)
+    response_id = f"resp_fake_{next(state.ids)}"
+    if body.get("stream") is not True:
+        return _json(responses_answer(body, response_id=response_id))
+    chunk_delay = _number(step, "chunk_delay_ms", state.config.chunk_delay_ms) / 1000
+    return await _stream(request, state, responses_events(body, response_id=response_id), b"", chunk_delay,
+                         step.get("cut_after_chunks"))
+
+
 async def _chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST /v1/chat/completions`` (OpenAI wire)."""
     return await _answer(request, _OPENAI)
@@ -620,6 +643,7 @@ def make_app(config: FakeConfig | None = None) -> web.Application:
     app[STATE_KEY] = FakeState(config or FakeConfig())
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_post("/v1/embeddings", _embeddings)
+    app.router.add_post("/v1/responses", _responses)
     app.router.add_post("/v1/messages", _messages)
     app.router.add_post("/v1/messages/count_tokens", _count_tokens)
     app.router.add_get("/v1/models", _models)
