@@ -258,3 +258,22 @@ async def test_the_reservation_pool_costs_one_round_trip_per_call(database_url: 
     finally:
         await store.close()
     assert pool.is_closing()
+
+
+def test_the_gate_remembers_budgets_only_while_their_inputs_and_day_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Budgets are remembered per key, budget and UTC day: a changed budget or a new day
+    gives new budgets (a day budget's period starts on the new day)."""
+    from gateway.billing import gate as gate_module
+    from gateway.billing.gate import BudgetGate
+
+    gate = BudgetGate(None, ttl=60, subject_budgets={})  # type: ignore[arg-type]  # no store needed
+    key, subject = uuid.uuid4(), uuid.uuid4()
+    clock = [1_767_225_599.0]  # 2025-12-31T23:59:59Z
+    monkeypatch.setattr(gate_module.time, "time", lambda: clock[0])
+    (first,) = gate._budgets_of(key, (Decimal("5"), "day"), subject, None)
+    assert first.start.isoformat() == "2025-12-31" and first.limit_micro_usd == 5_000_000
+    (raised,) = gate._budgets_of(key, (Decimal("7"), "day"), subject, None)
+    assert raised.limit_micro_usd == 7_000_000
+    clock[0] += 2  # past midnight UTC
+    (next_day,) = gate._budgets_of(key, (Decimal("5"), "day"), subject, None)
+    assert next_day.start.isoformat() == "2026-01-01"

@@ -19,6 +19,7 @@ Both expire a reservation whose process died after ``ttl`` seconds.
 
 from __future__ import annotations
 
+import functools
 import math
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -64,8 +65,12 @@ def micro_usd(usd: Decimal | float | int | str) -> int:
     return int((amount * _MICRO).to_integral_value(rounding=ROUND_CEILING))
 
 
+@functools.lru_cache(maxsize=1024)
 def price_micro(per_mtok: float) -> Decimal:
-    """Micro-USD per token of a price in USD per million tokens (exactly the same number)."""
+    """Micro-USD per token of a price in USD per million tokens (exactly the same number).
+
+    Remembered: a deployment's prices are few and fixed, and every budgeted call and every
+    priced call's cost needs them (a Decimal from a float's text is ~1 µs)."""
     return Decimal(repr(float(per_mtok)))
 
 
