@@ -132,8 +132,12 @@ def _profile_lines(profile: dict[str, Any]) -> list[str]:
         return ["Not taken: no bare relay or gateway in this run."]
     lines = [
         f"py-spy (`--nonblocking`, 250 Hz) on each server for {profile['seconds']:g} s of S1's load; samples "
-        "of the running thread only, so shares are of CPU time, turned into µs per request with the CPU "
-        "the process used. Raw stacks: " + ", ".join(f"`{t['file']}`" for t in targets.values()) + ".",
+        "of threads blocked in a call that releases the GIL (the thread pool and the log writer waiting, "
+        "the journal's write and fsync) set aside"
+        + "".join(f" ({_TARGET_TITLES[n]}: {t['summary'].get('blocked_share', 0)} % of samples)"
+                  for n, t in targets.items() if t["summary"].get("blocked_share"))
+        + ", so shares are of CPU time, turned into µs per request with the CPU the process used. Raw stacks: "
+        + ", ".join(f"`{t['file']}`" for t in targets.values()) + ".",
         "",
     ]
     names = list(targets)

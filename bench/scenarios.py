@@ -256,7 +256,7 @@ async def s1(ctx: RunContext) -> ScenarioReport:
     report.rows.append(_row_ms("S1", "latency p50", passes, 50))
     report.rows.append(_row_ms("S1", "latency p99", passes, 99))
     cpu = {t: (m.json()["process"].get("cpu_us_per_request") if m.window else None) for t, m in passes.items()}
-    report.rows.append(Row("S1", "server CPU per request", cpu, "µs", _ratio(cpu, "gateway", "bare")))
+    report.rows.append(_ratio_row("S1", "server CPU per request", cpu, "µs", S1_CPU_RATIO_BAR, stretch=S1_CPU_RATIO_STRETCH))
     # What one full core would serve at that cost: steadier than requests/s on a busy machine.
     capacity = {t: (round(1e6 / v) if v else None) for t, v in cpu.items() if t != "direct"}
     report.rows.append(Row("S1", "requests per CPU-second", capacity, "req/s", _ratio(capacity, "gateway", "bare"),
@@ -296,6 +296,24 @@ def _starved(m: Measured) -> bool:
     return bool(w is not None and w.wall and w.cpu / w.wall < 0.7 and m.result.driver_cpu / m.result.duration < 0.9)
 
 
+#: Issue 23's targets: the gateway's CPU against the bare relay's, in the same run.
+S1_CPU_RATIO_BAR, S1_CPU_RATIO_STRETCH = 2.0, 1.5
+S3_CPU_RATIO_BAR = 1.5
+#: S2: the gateway's added p99 may exceed the bare relay's added p99 by this much (ms).
+S2_P99_OVER_BARE_MS = 1.0
+
+
+def _ratio_row(sid: str, metric: str, values: dict[str, float | None], unit: str, bar: float, *,
+               stretch: float | None = None) -> Row:
+    """A per-unit CPU row with its verdict: gateway at most ``bar`` times bare (None without both)."""
+    g, b = values.get("gateway"), values.get("bare")
+    ratio = g / b if g and b else None
+    text = f"{ratio:.2f}× bare" if ratio is not None else ""
+    if ratio is not None and stretch is not None:
+        text += f" (stretch {stretch:g}×: {'met' if ratio <= stretch else 'not met'})"
+    return Row(sid, metric, values, unit, text, f"≤ {bar:g}× bare", None if ratio is None else ratio <= bar)
+
+
 def _ratio(values: dict[str, float | None], a: str, b: str) -> str:
     va, vb = values.get(a), values.get(b)
     return f"{va / vb:.2f}× {b}" if va and vb else ""
@@ -310,8 +328,21 @@ async def s2(ctx: RunContext) -> ScenarioReport:
     report.raw = {t: m.json() for t, m in passes.items()}
     report.rows.append(_row_ms("S2", "latency p50", passes, 50, bar=2.0))
     report.rows.append(_row_ms("S2", "latency p99", passes, 99, bar=5.0))
+    report.rows.append(_p99_over_bare(passes))
     _errors_note(report, passes)
     return report
+
+
+def _p99_over_bare(passes: dict[str, Measured]) -> Row:
+    """S2's second bar: the gateway adds at most 1 ms of p99 more than the bare relay does."""
+    values = {t: _ms(m.result, 99) for t, m in passes.items()}
+    g, b, d = values.get("gateway"), values.get("bare"), values.get("direct")
+    if g is None or b is None or d is None:
+        return Row("S2", "added p99 over the bare relay's", {}, "ms", "needs direct, bare and gateway")
+    over = (g - d) - (b - d)
+    return Row("S2", "added p99 over the bare relay's", {"gateway": round(over, 2)}, "ms",
+               f"gateway +{g - d:.2f} ms, bare +{b - d:.2f} ms", f"≤ {S2_P99_OVER_BARE_MS:g} ms",
+               over <= S2_P99_OVER_BARE_MS)
 
 
 async def _open_passes(
@@ -352,6 +383,10 @@ async def s3(ctx: RunContext) -> ScenarioReport:
     for target, m in passes.items():
         lost[target] = expected * m.result.count - sum(m.result.events)
     streams = {t: float(m.result.count) for t, m in passes.items()}
+    # Server CPU per relayed chunk (every event the client received): a stream's cost.
+    per_chunk = {t: (round(1e6 * m.window.cpu / sum(m.result.events), 1) if m.window and sum(m.result.events)
+                     else None) for t, m in passes.items() if t != "direct"}
+    report.rows.append(_ratio_row("S3", "server CPU per chunk", per_chunk, "µs", S3_CPU_RATIO_BAR))
     report.rows.append(Row("S3", "streams", streams, ""))
     report.rows.append(Row("S3", "chunks lost", lost, "", f"{expected} events per stream", "= 0",
                            lost.get("gateway") == 0 if "gateway" in lost else None))

@@ -17,7 +17,17 @@ import asyncpg
 import pytest
 
 from gateway.billing.budgets import SubjectBudgetStore
-from gateway.billing.reservations import cost_micro_usd, micro_usd, prompt_token_bound, worst_case_micro_usd
+from gateway.billing.reservations import (
+    Budget,
+    PostgresReservations,
+    Reservation,
+    connect_reservation_pool,
+    cost_micro_usd,
+    micro_usd,
+    period_start,
+    prompt_token_bound,
+    worst_case_micro_usd,
+)
 from gateway.core.config import Price
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for, redis_via, via_proxy
 
@@ -226,3 +236,44 @@ async def test_postgresql_outage_fails_budgeted_calls_closed_and_recovers(
         await asyncio.sleep(0.2)
     else:
         raise AssertionError("budgeted calls never recovered after PostgreSQL came back")
+
+
+async def test_the_reservation_pool_costs_one_round_trip_per_call(database_url: str, db_pool: asyncpg.Pool) -> None:
+    """Reservations run on a pool that skips asyncpg's reset query on release (it would be a
+    second round trip per budgeted call): session state survives a release, proving no
+    reset was sent, and the store still admits and refuses exactly."""
+    pool = await connect_reservation_pool(database_url, max_size=1)
+    store = PostgresReservations(db_pool, own_pool=pool)
+    try:
+        async with pool.acquire() as conn:
+            await conn.execute("SET application_name = 'kept'")
+        async with pool.acquire() as conn:  # max_size 1: the same connection
+            assert await conn.fetchval("SHOW application_name") == "kept"
+        budget = Budget("key", uuid.uuid4(), "total", period_start("total"), limit_micro_usd=100)
+        fits, too_much = Reservation(uuid.uuid4(), 60, (budget,)), Reservation(uuid.uuid4(), 60, (budget,))
+        assert await store.reserve(fits, ttl=60) is None
+        assert await store.reserve(too_much, ttl=60) == 0  # 120 > 100: the first budget refuses
+        assert await db_pool.fetchval(
+            "SELECT count(*) FROM budget_reservations WHERE reservation_id = $1", fits.reservation_id) == 1
+    finally:
+        await store.close()
+    assert pool.is_closing()
+
+
+def test_the_gate_remembers_budgets_only_while_their_inputs_and_day_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Budgets are remembered per key, budget and UTC day: a changed budget or a new day
+    gives new budgets (a day budget's period starts on the new day)."""
+    from gateway.billing import gate as gate_module
+    from gateway.billing.gate import BudgetGate
+
+    gate = BudgetGate(None, ttl=60, subject_budgets={})  # type: ignore[arg-type]  # no store needed
+    key, subject = uuid.uuid4(), uuid.uuid4()
+    clock = [1_767_225_599.0]  # 2025-12-31T23:59:59Z
+    monkeypatch.setattr(gate_module.time, "time", lambda: clock[0])
+    (first,) = gate._budgets_of(key, (Decimal("5"), "day"), subject, None)
+    assert first.start.isoformat() == "2025-12-31" and first.limit_micro_usd == 5_000_000
+    (raised,) = gate._budgets_of(key, (Decimal("7"), "day"), subject, None)
+    assert raised.limit_micro_usd == 7_000_000
+    clock[0] += 2  # past midnight UTC
+    (next_day,) = gate._budgets_of(key, (Decimal("5"), "day"), subject, None)
+    assert next_day.start.isoformat() == "2026-01-01"

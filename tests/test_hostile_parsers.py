@@ -144,3 +144,12 @@ def test_sse_reader_accepts_a_long_line_under_the_bound() -> None:
     big = b"data: " + b"y" * 3_000_000 + b"\n\n"
     events = _collect(_split(big, [65536 * i for i in range(1, 40)]))
     assert events == [big]
+
+
+def test_sse_reader_passes_whole_event_reads_through_and_still_splits_the_rest() -> None:
+    """Reads that are exactly one event each (a relayed stream's usual shape) come out as
+    they went in; short reads, blank reads and reads holding two events are still split."""
+    one, two = b"data: {\"a\":1}\n\n", b"data: [DONE]\n\n"
+    assert _collect([one, two]) == [one, two]
+    assert _collect([b"d", b"a", b"ta: x\n", b"\n", b"\n\n", one + two]) == [b"data: x\n\n", one, two]
+    assert _collect([b" \n\n", one]) == [one]  # a blank event is not an event

@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
 from decimal import Decimal
 
 from gateway.billing.reservations import (
+    Budget,
     Reservation,
     ReservationStore,
     budgets_of,
@@ -36,6 +39,9 @@ log = logging.getLogger("gateway.billing")
 
 #: Longest a call waits for the shared store before it is refused 503 (fail closed).
 RESERVE_TIMEOUT = 2.0
+#: Budgets remembered per (key, subject, their budgets, UTC day); cleared when this many.
+MAX_CACHED_BUDGETS = 10_000
+_DAY = 86_400
 
 
 class BudgetGate:
@@ -48,6 +54,9 @@ class BudgetGate:
         self.ttl = ttl
         #: Subject → (USD, period): the billing actor's published view, refreshed each second.
         self._subject_budgets = subject_budgets
+        #: The budgets of a call, by everything they depend on: the same for every call of
+        #: a key within a UTC day, and ~4 µs of Decimal and calendar work to rebuild.
+        self._budgets: dict[tuple[object, ...], tuple[Budget, ...]] = {}
 
     def applies(self, subject_id: uuid.UUID, key_budget: Decimal | None) -> bool:
         return key_budget is not None or subject_id in self._subject_budgets
@@ -66,7 +75,7 @@ class BudgetGate:
     ) -> Reservation | None:
         """Hold the call's worst case against its budgets; None when none applies."""
         subject_budget = self._subject_budgets.get(subject_id)
-        budgets = budgets_of(api_key_id, key_budget, subject_id, subject_budget)
+        budgets = self._budgets_of(api_key_id, key_budget, subject_id, subject_budget)
         if not budgets:
             return None
         if not prices or not all(is_finite_price(p) for p in prices):
@@ -98,6 +107,24 @@ class BudgetGate:
 
     async def settle(self, reservation: Reservation, cost_micro_usd: int) -> None:
         await self.store.settle(reservation, cost_micro_usd)
+
+    def _budgets_of(
+        self, api_key_id: uuid.UUID, key_budget: tuple[Decimal, str] | None, subject_id: uuid.UUID,
+        subject_budget: tuple[Decimal, str] | None,
+    ) -> tuple[Budget, ...]:
+        """:func:`budgets_of`, remembered: periods start on UTC days, so within one day
+        the same inputs give the same budgets."""
+        now = time.time()
+        day = int(now // _DAY)
+        cache_key = (api_key_id, key_budget, subject_id, subject_budget, day)
+        budgets = self._budgets.get(cache_key)
+        if budgets is None:
+            if len(self._budgets) >= MAX_CACHED_BUDGETS:
+                self._budgets.clear()
+            budgets = budgets_of(api_key_id, key_budget, subject_id, subject_budget,
+                                 now=datetime.fromtimestamp(day * _DAY, timezone.utc))
+            self._budgets[cache_key] = budgets
+        return budgets
 
 
 def _usd_text(micro: int) -> str:

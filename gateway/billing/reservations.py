@@ -19,6 +19,7 @@ Both expire a reservation whose process died after ``ttl`` seconds.
 
 from __future__ import annotations
 
+import functools
 import math
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -39,6 +40,8 @@ __all__ = [
     "RedisReservations",
     "Reservation",
     "ReservationStore",
+    "connect_reservation_pool",
+    "keep_session",
     "micro_usd",
     "open_reservations",
     "period_start",
@@ -62,8 +65,12 @@ def micro_usd(usd: Decimal | float | int | str) -> int:
     return int((amount * _MICRO).to_integral_value(rounding=ROUND_CEILING))
 
 
+@functools.lru_cache(maxsize=1024)
 def price_micro(per_mtok: float) -> Decimal:
-    """Micro-USD per token of a price in USD per million tokens (exactly the same number)."""
+    """Micro-USD per token of a price in USD per million tokens (exactly the same number).
+
+    Remembered: a deployment's prices are few and fixed, and every budgeted call and every
+    priced call's cost needs them (a Decimal from a float's text is ~1 µs)."""
     return Decimal(repr(float(per_mtok)))
 
 
@@ -143,17 +150,43 @@ def _sorted(budgets: Sequence[Budget]) -> list[tuple[int, Budget]]:
     return sorted(enumerate(budgets), key=lambda ib: (ib[1].scope, str(ib[1].id), ib[1].period))
 
 
+async def keep_session(conn: asyncpg.Connection) -> None:
+    """The pool reset of connections that only ever run one autocommit statement.
+
+    asyncpg's default reset sends ``SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *;
+    RESET ALL`` on every release: a second database round trip per budgeted call (and
+    PostgreSQL's CPU, on the gateway's host). A connection that only runs
+    ``budget_reserve()`` never holds a session lock, a cursor, a LISTEN or a setting
+    (its advisory locks are transaction-scoped), so there is nothing to reset; asyncpg
+    still rolls back an open transaction client-side before calling this.
+    """
+
+
+async def connect_reservation_pool(dsn: str, *, max_size: int = 10) -> asyncpg.Pool:
+    """The pool budget reservations use on the hot path (see :func:`keep_session`)."""
+    # min_size 0: a gateway without budgets never opens one of these connections.
+    pool = await asyncpg.create_pool(dsn, min_size=0, max_size=max_size, reset=keep_session, command_timeout=30)
+    assert pool is not None
+    return pool
+
+
 class PostgresReservations:
-    """Reservations in ``budget_reservations``; settled by the ledger's trigger."""
+    """Reservations in ``budget_reservations``; settled by the ledger's trigger.
+
+    ``own_pool`` (closed with the store) serves the reservations themselves: a pool whose
+    connections skip the reset query on release (:func:`keep_session`), so a budgeted call
+    costs one round trip, not two. Without it the shared ``pool`` is used.
+    """
 
     settles_explicitly = False
 
-    def __init__(self, pool: asyncpg.Pool) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, own_pool: asyncpg.Pool | None = None) -> None:
         self._pool = pool
+        self._own_pool = own_pool
 
     async def reserve(self, reservation: Reservation, ttl: float) -> int | None:
         order = _sorted(reservation.budgets)
-        refused = await self._pool.fetchval(
+        refused = await (self._own_pool or self._pool).fetchval(
             "SELECT budget_reserve($1, $2, $3, $4, $5, $6, $7, $8)",
             reservation.reservation_id,
             [b.scope for _, b in order], [b.id for _, b in order], [b.period for _, b in order],
@@ -166,7 +199,10 @@ class PostgresReservations:
         """Nothing to do: the call's ledger row releases it (see sql/0008)."""
 
     async def close(self) -> None:
-        """The pool is the gateway's, not ours."""
+        """Close the store's own pool (the shared one is the gateway's)."""
+        if self._own_pool is not None:
+            own, self._own_pool = self._own_pool, None
+            await own.close()
 
 
 # KEYS: one hash per budget (field "spent", fields "r:<id>" = reserved micro-USD) and one
@@ -276,10 +312,13 @@ class RedisReservations:
         await self._redis.aclose()
 
 
-def open_reservations(redis_url: str | None, pool: asyncpg.Pool, *, key_prefix: str) -> ReservationStore:
-    """Redis when ``REDIS_URL`` is set, else PostgreSQL (docs/billing.md)."""
+def open_reservations(
+    redis_url: str | None, pool: asyncpg.Pool, *, key_prefix: str, reservation_pool: asyncpg.Pool | None = None
+) -> ReservationStore:
+    """Redis when ``REDIS_URL`` is set, else PostgreSQL (docs/billing.md); ``reservation_pool``
+    (from :func:`connect_reservation_pool`) is the PostgreSQL store's own, closed with it."""
     if not redis_url:
-        return PostgresReservations(pool)
+        return PostgresReservations(pool, own_pool=reservation_pool)
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff

@@ -6,6 +6,7 @@ asks for it) or, when cut short, it is estimated from the chunks that were deliv
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from collections.abc import Mapping
@@ -17,7 +18,18 @@ import orjson
 
 from gateway.core.config import Price
 
-__all__ = ["CallRecord", "StreamTap", "Usage", "usage_from_answer"]
+__all__ = ["CallRecord", "StreamTap", "Usage", "new_call_id", "usage_from_answer"]
+
+
+def new_call_id() -> uuid.UUID:
+    """A version-4 UUID from ``random``: no system call, unlike ``uuid4()`` (``os.urandom``).
+
+    The ledger's idempotency key must be unique, not secret: 122 random bits from the
+    process's Mersenne Twister, which CPython seeds from ``os.urandom`` at start and
+    reseeds in every forked child (``serve --workers`` starts fresh processes anyway),
+    so no two processes share a sequence. Nothing in the gateway seeds ``random``.
+    """
+    return uuid.UUID(int=random.getrandbits(128), version=4)
 
 
 @dataclass(slots=True)
@@ -210,7 +222,7 @@ class CallRecord:
     completion: str | None = None
     #: The gateway's own id for this call: the ledger's idempotency key (never reused,
     #: unlike ``request_id``, which a client may choose).
-    call_id: uuid.UUID = field(default_factory=uuid.uuid4)
+    call_id: uuid.UUID = field(default_factory=new_call_id)
     #: The price table of the deployment that served the call, if configured.
     price: Price | None = None
     #: What the call cost, settled once when it ends (:func:`gateway.billing.pricing.settle_cost`):

@@ -30,7 +30,7 @@ from gateway.admin import routes as admin
 from gateway.admin.console import add_console
 from gateway.auth.keys import KeyStore
 from gateway.billing.gate import unpriced_deployments
-from gateway.billing.reservations import ReservationStore, open_reservations
+from gateway.billing.reservations import ReservationStore, connect_reservation_pool, open_reservations
 from gateway.core.config import GatewayConfig, Settings
 from gateway.core.db import connect_pool, migrate
 from gateway.core.usage import CallRecord
@@ -122,7 +122,10 @@ async def gateway_state(
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=30)
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         # Billing first: actors stop in reverse, so it drains after everything that tells it.
-        reservations = open_reservations(settings.redis_url, pool, key_prefix=config.rate_limits.key_prefix)
+        reservations = open_reservations(
+            settings.redis_url, pool, key_prefix=config.rate_limits.key_prefix,
+            reservation_pool=None if settings.redis_url else await connect_reservation_pool(dsn),
+        )
         billing_actor = BillingActor(
             pool, settings.journal_dir, ship_interval=settings.billing_ship_interval,
             reservations=reservations, reservation_ttl=settings.budget_reservation_ttl,

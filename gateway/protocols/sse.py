@@ -34,6 +34,14 @@ async def iter_events(
     async for chunk in chunks:
         if not chunk:
             continue
+        if (not buf and not held_cr and chunk.endswith(b"\n\n") and chunk.find(b"\n\n") == len(chunk) - 2
+                and b"\r" not in chunk):
+            # The common case of a relayed stream: a read that is exactly one whole event.
+            # It is yielded as it came, without copying it through the buffer (the same
+            # bytes the general path would yield).
+            if chunk[0] > 0x20 or chunk.strip():
+                yield chunk
+            continue
         if held_cr:
             chunk = b"\r" + chunk
         held_cr = chunk.endswith(b"\r")
