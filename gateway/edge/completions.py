@@ -66,7 +66,7 @@ class _CompletionsRelay(StreamRelay):
 
 class LegacyCompletions(Inbound):
     name: ClassVar[str] = "completions"
-    cacheable: ClassVar[bool] = False
+    cacheable: ClassVar[bool] = True
 
     def parse(self, body: dict[str, Any], request: web.Request) -> Parsed:
         model = body.get("model")

@@ -189,7 +189,7 @@ class AnthropicMessages(Inbound):
     """Anthropic's Messages API, translated to chat or passed through to Anthropic."""
 
     name: ClassVar[str] = "anthropic"
-    cacheable: ClassVar[bool] = False
+    cacheable: ClassVar[bool] = True
 
     def parse(self, body: dict[str, Any], request: web.Request) -> Parsed:
         model, stream = parse_messages_body(body)

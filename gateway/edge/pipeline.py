@@ -33,9 +33,10 @@ from aiohttp import web
 
 from gateway.billing.pricing import settle_cost
 from gateway.cache.keys import CacheTicket, replay
+from gateway.cache.store import CacheEntry
 from gateway.core.errors import GatewayError, GuardrailBlocked, UpstreamTimeout, UpstreamUnavailable
 from gateway.core.tokens import prompt_tokens
-from gateway.core.usage import CallRecord, usage_from_answer
+from gateway.core.usage import CallRecord, Usage, usage_from_answer
 from gateway.edge import telemetry
 from gateway.edge.dispatch import NativeCall, dispatch
 from gateway.edge.ratelimit import admit
@@ -191,7 +192,9 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
     observed = telemetry.begin_call(request, record, body)
     try:
         if cache is not None and (hit := await cache.lookup()) is not None:
-            return await replay(request, hit, cache, body, record, SSE_HEADERS)
+            if protocol.name == "chat":
+                return await replay(request, hit, cache, body, record, SSE_HEADERS)
+            return await _replay_in(request, protocol, hit, cache, parsed, record, started)
         if stream:
             return await _stream(request, state, protocol, route, parsed, record, started, cache, guard)
         return await _whole(state, protocol, route, parsed, record, cache, guard)
@@ -211,6 +214,40 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
         _finish(state, record)
         state.billing.settle(reservation, record)  # budget hook: release at the real cost
         telemetry.end_call(request, observed, record)
+
+
+async def _replay_in(
+    request: web.Request, protocol: Inbound, entry: CacheEntry, ticket: CacheTicket, parsed: Parsed,
+    record: CallRecord, started: float,
+) -> web.StreamResponse:
+    """A cache hit for a client of another protocol: the stored chat-shaped answer rendered
+    by its adapter, exactly as a live answer from a chat deployment would be."""
+    record.status, record.served_model, record.response_id = 200, entry.model, entry.response_id
+    record.finish_reasons = entry.finish_reasons
+    record.cache_similarity = ticket.similarity
+    if not entry.stream:
+        answer = orjson.loads(entry.body)
+        reply = UpstreamReply(status=200, headers={"Content-Type": entry.content_type}, body=entry.body, answer=answer)
+        whole = protocol.answer(reply, answer, parsed)
+        whole.headers.update(ticket.headers())
+        record.usage = Usage(entry.prompt_tokens, entry.completion_tokens, cost_usd=0.0)
+        return whole
+    reply = UpstreamReply(status=200, headers={"Content-Type": "text/event-stream"})
+    prompt_estimate = entry.prompt_tokens
+    relay = protocol.relay(reply, parsed, False, prompt_estimate)
+    response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **ticket.headers()})
+    await response.prepare(request)
+    try:
+        for event in entry.events():
+            out = relay.feed(event)
+            if out:
+                await response.write(out)
+    except ConnectionError:
+        record.outcome = "cancelled"
+    relay.settle(record, started, prompt_estimate)
+    # Tokens say what was served; the provider was not called, so nothing was spent.
+    record.usage = Usage(entry.prompt_tokens, entry.completion_tokens, cost_usd=0.0)
+    return response
 
 
 def _record_refusal(
@@ -303,14 +340,19 @@ async def _stream(
     prompt_estimate = prompt_tokens(body.get("messages") or [])
     relay = protocol.relay(reply, parsed, state.settings.capture_genai_content, prompt_estimate)
     screen = stream_guard(guard, reply.wire)
+    # Entries are kept in the internal (chat) shape and rendered per protocol on a hit; a
+    # stream in a provider's own wire (passed through as sent) is not kept.
+    storable = cache is not None and reply.wire == "chat"
     response = web.StreamResponse(status=200, headers=SSE_HEADERS if cache is None else {
         **SSE_HEADERS, **cache.headers()})
     try:
         await response.prepare(request)
         async for event in reply.events:
-            if cache is not None:
-                cache.collect(event)  # raw, as the provider sent it: stored once complete
-            out = relay.feed(event if screen is None else screen.feed(event))
+            if screen is not None:
+                event = screen.feed(event)  # before the cache too: it must never keep what was redacted
+            if storable and cache is not None:
+                cache.collect(event)  # as the provider sent it (bar redactions): stored once complete
+            out = relay.feed(event)
             if out:
                 await response.write(out)
         if not relay.done:
@@ -353,7 +395,7 @@ async def _stream(
         relay.settle(record, started, prompt_estimate)
         if screen is not None:
             record.guardrails += tuple((d.policy, d.action, d.direction) for d in screen.decisions())
-        if cache is not None and relay.done:
+        if storable and cache is not None and relay.done:
             cache.store_stream(record)
     return response
 
