@@ -78,3 +78,22 @@ def test_settings_of_the_edge() -> None:
         load_settings({"MAX_IN_FLIGHT": "0"})
     with pytest.raises(ConfigError, match="CLIENT_IDLE_TIMEOUT_SECONDS"):
         load_settings({"CLIENT_IDLE_TIMEOUT_SECONDS": "soon"})
+
+
+async def test_the_messages_route_is_shed_in_anthropics_shape(
+    gateway_factory: Any, fake_factory: Any, api_key: str
+) -> None:
+    fake: FakeUpstream = await fake_factory(latency_ms=800)
+    gw = await gateway_factory(env={"MAX_IN_FLIGHT": "1"}, config_yaml=config_for(fake.url))
+    slow = asyncio.ensure_future(gw.data.post("/v1/chat/completions", json=chat_body(), headers=auth(api_key)))
+    for _ in range(100):
+        if gw.data.app[ADMISSION].in_flight == 1:
+            break
+        await asyncio.sleep(0.01)
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}
+    shed = await gw.data.post("/v1/messages", json=body, headers={"x-api-key": api_key})
+    # Anthropic's own overload answer, so the anthropic SDK raises OverloadedError and retries.
+    assert shed.status == 529 and shed.headers["Retry-After"] == "1"
+    assert (await shed.json()) == {"type": "error", "error": {"type": "overloaded_error",
+                                                              "message": "gateway overloaded: 1 requests in flight"}}
+    assert (await slow).status == 200

@@ -29,7 +29,7 @@ from aiohttp.typedefs import Middleware
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.core.errors import Overloaded, ServiceUnavailable
-from gateway.http.errors import error_response
+from gateway.http.errors import ErrorShape, error_response, error_shape_for
 
 __all__ = [
     "ADMISSION",
@@ -129,13 +129,16 @@ class AdmissionGate:
     def in_flight(self) -> int:
         return len(self._tasks)
 
-    def admit(self) -> web.Response | None:
-        """None if this request may proceed (the caller must :meth:`enter`), else the refusal."""
+    def admit(self, shape: ErrorShape = "openai") -> web.Response | None:
+        """None if this request may proceed (the caller must :meth:`enter`), else the
+        refusal, in the error ``shape`` of the route asked for."""
         if self.draining:
-            return error_response(ShuttingDown(retry_after=1))
+            return error_response(ShuttingDown(retry_after=1), shape)
         if len(self._tasks) >= self.limit:
             self._note_shed()
-            return error_response(Overloaded(f"gateway overloaded: {self.limit} requests in flight", retry_after=1))
+            return error_response(
+                Overloaded(f"gateway overloaded: {self.limit} requests in flight", retry_after=1), shape
+            )
         return None
 
     def enter(self, task: asyncio.Task[object]) -> None:
@@ -197,7 +200,7 @@ def admission_middleware(gate: AdmissionGate) -> Middleware:
     async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
         if not request.path.startswith(GATED_PREFIX):
             return await handler(request)
-        refusal = gate.admit()
+        refusal = gate.admit(error_shape_for(request.path))
         if refusal is not None:
             return refusal
         task = asyncio.current_task()
@@ -211,7 +214,7 @@ def admission_middleware(gate: AdmissionGate) -> Middleware:
             if not is_shutdown(exc):
                 raise
             task.uncancel()
-            return error_response(ShuttingDown(retry_after=1))
+            return error_response(ShuttingDown(retry_after=1), error_shape_for(request.path))
         finally:
             gate.leave(task)
 
