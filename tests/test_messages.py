@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from gateway.testing.fake_llm import anthropic_input_tokens, anthropic_tool_use
-from tests.conftest import FakeUpstream, Gateway
+from tests.conftest import FakeUpstream, Gateway, auth, chat_body
 from tests.fleet import dead_url, fleet_config, records
 
 TOOLS: list[Any] = [{
@@ -432,3 +432,25 @@ async def test_metrics_carry_the_route(gw: Gateway, api_key: str) -> None:
     await sdk(gw, api_key).messages.create(model="gpt", max_tokens=10, messages=[{"role": "user", "content": "x"}])
     text = await (await gw.management.get("/metrics")).text()
     assert 'gateway_requests_total{route="/v1/messages",status="200"}' in text
+
+
+def test_openai_durations_become_anthropic_reset_times() -> None:
+    from gateway.edge.ratelimit import anthropic_ratelimit_headers, duration_seconds
+
+    assert [duration_seconds(d) for d in ("20ms", "1s", "6m0s", "1h2m3.5s", "1m30s")] == [0.02, 1, 360, 3723.5, 90]
+    out = anthropic_ratelimit_headers({
+        "x-ratelimit-limit-requests": "60", "x-ratelimit-remaining-requests": "59", "x-ratelimit-reset-requests": "1m0s",
+    }, now=1_700_000_000.0)
+    assert out == {"anthropic-ratelimit-requests-limit": "60", "anthropic-ratelimit-requests-remaining": "59",
+                   "anthropic-ratelimit-requests-reset": "2023-11-14T22:14:20Z"}
+
+
+async def test_messages_answers_carry_anthropics_rate_limit_headers_too(gw: Gateway, api_key: str) -> None:
+    resp = await gw.data.post("/v1/messages", headers={"x-api-key": api_key}, json={
+        "model": "gpt", "max_tokens": 10, "messages": [{"role": "user", "content": "x"}]})
+    assert resp.status == 200
+    assert resp.headers["anthropic-ratelimit-requests-limit"] == resp.headers["x-ratelimit-limit-requests"]
+    assert resp.headers["anthropic-ratelimit-requests-remaining"] == resp.headers["x-ratelimit-remaining-requests"]
+    assert resp.headers["anthropic-ratelimit-requests-reset"].endswith("Z")
+    chat = await gw.data.post("/v1/chat/completions", json=chat_body(model="gpt"), headers=auth(api_key))
+    assert "anthropic-ratelimit-requests-limit" not in chat.headers

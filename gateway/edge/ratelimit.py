@@ -21,7 +21,11 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-from collections.abc import Awaitable, Callable
+import math
+import re
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import datetime, timezone
 
 from aiohttp import web
 
@@ -29,6 +33,7 @@ from actors.auth import Unauthenticated, VerifiedKey
 from actors.limiter import Permit
 from gateway.core.errors import RateLimited
 from gateway.http.bodies import bearer_token
+from gateway.http.errors import error_shape_for
 from gateway.http.state import STATE
 
 __all__ = ["PERMIT", "add_ratelimit_headers", "admit", "client_ip", "ratelimit_middleware"]
@@ -142,7 +147,37 @@ async def ratelimit_middleware(request: web.Request, handler: Handler) -> web.St
             permit.release()
 
 
+_DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:([\d.]+)s)?(?:(\d+)ms)?")
+
+
+def duration_seconds(text: str) -> float:
+    """``x-ratelimit-reset-*``'s duration (``20ms``, ``6m0s``, ``1h2m3.5s``) in seconds."""
+    m = _DURATION.fullmatch(text)
+    if m is None:
+        return 0.0
+    hours, minutes, secs, ms = m.groups()
+    return int(hours or 0) * 3600 + int(minutes or 0) * 60 + float(secs or 0) + int(ms or 0) / 1000
+
+
+def anthropic_ratelimit_headers(headers: Mapping[str, str], now: float) -> dict[str, str]:
+    """The same limits under Anthropic's names (``anthropic-ratelimit-*``), which the
+    Anthropic SDKs and Claude Code read; resets are RFC 3339 times, as Anthropic sends."""
+    out: dict[str, str] = {}
+    for kind in ("requests", "tokens"):
+        if f"x-ratelimit-limit-{kind}" not in headers:
+            continue
+        out[f"anthropic-ratelimit-{kind}-limit"] = headers[f"x-ratelimit-limit-{kind}"]
+        out[f"anthropic-ratelimit-{kind}-remaining"] = headers.get(f"x-ratelimit-remaining-{kind}", "0")
+        reset = now + duration_seconds(headers.get(f"x-ratelimit-reset-{kind}", "0s"))
+        out[f"anthropic-ratelimit-{kind}-reset"] = (
+            datetime.fromtimestamp(math.ceil(reset), timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        )
+    return out
+
+
 async def add_ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
     headers = request.get(_HEADERS)
     if headers:
         response.headers.update(headers)
+        if error_shape_for(request.path) == "anthropic":
+            response.headers.update(anthropic_ratelimit_headers(dict(headers), time.time()))
