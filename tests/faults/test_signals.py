@@ -154,6 +154,11 @@ async def test_sigkill_during_traffic_then_restart_replays_the_journal_once(
     async with aiohttp.ClientSession() as session:
         traffic = [asyncio.ensure_future(chat(session, gw.url, api_key, stream=i % 2 == 0)) for i in range(60)]
         await asyncio.sleep(0.4)
+        # On a loaded machine 0.4 s may pass before any answer: then wait (bounded) for the
+        # first, so there is something to check; the kill still lands mid-traffic.
+        if not any(t.done() for t in traffic):
+            await asyncio.wait(traffic, timeout=15, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.sleep(0.2)
         gw.signal(signal.SIGKILL)
         for answer in await asyncio.gather(*traffic):
             if answer.status == 200 and answer.failure is None and (not answer.stream or answer.stream_end == "done"):
