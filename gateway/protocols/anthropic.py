@@ -49,6 +49,7 @@ from typing import Any
 import orjson
 
 from gateway.core.errors import InvalidRequest
+from gateway.protocols.chat import data_url, text_of
 
 __all__ = [
     "ANTHROPIC_VERSION",
@@ -137,18 +138,7 @@ def _bad(message: str, code: str = "invalid_request") -> InvalidRequest:
 
 def _text_of(content: Any, where: str) -> str:
     """Text of a system/tool content: a string or a list of text parts."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(f"{where}: only text parts are supported here")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise _bad(f"{where}: content must be a string or a list of parts")
+    return text_of(content, _bad, where)
 
 
 def _image_block(part: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -156,11 +146,12 @@ def _image_block(part: Mapping[str, Any], where: str) -> dict[str, Any]:
     url = image.get("url") if isinstance(image, dict) else image
     if not isinstance(url, str) or not url:
         raise _bad(f"{where}: image_url needs a url")
-    if url.startswith("data:"):
-        header, sep, data = url[5:].partition(",")
-        media_type, _, encoding = header.partition(";")
-        if not sep or encoding != "base64" or not media_type:
-            raise _bad(f"{where}: a data URL image must be base64 (data:image/png;base64,...)")
+    try:
+        inline = data_url(url)
+    except ValueError:
+        raise _bad(f"{where}: a data URL image must be base64 (data:image/png;base64,...)") from None
+    if inline is not None:
+        media_type, data = inline
         return {"type": "image", "source": {"type": "base64", "media_type": media_type, "data": data}}
     return {"type": "image", "source": {"type": "url", "url": url}}
 
