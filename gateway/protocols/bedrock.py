@@ -32,7 +32,7 @@ from gateway.protocols.chat import (
     ChunkWriter,
     UpstreamAnswerError,
     completion_object,
-    data_url,
+    content_parts,
     parse_tool_arguments,
     text_of,
     usage_object,
@@ -69,33 +69,17 @@ def _bad(message: str, code: str = "invalid_request") -> InvalidRequest:
 
 # --------------------------------------------------------------------------- requests
 def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [{"text": content}] if content else []
-    if not isinstance(content, list):
-        raise _bad(f"{where}: content must be a string or a list of parts")
     blocks: list[dict[str, Any]] = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            if part["text"]:
-                blocks.append({"text": part["text"]})
-        elif kind == "image_url":
-            image = part.get("image_url")
-            url = image.get("url") if isinstance(image, dict) else image
-            try:
-                inline = data_url(url) if isinstance(url, str) else None
-            except ValueError as exc:
-                raise _bad(f"{where}.content[{i}]: {exc}") from None
-            if inline is None:
-                raise _bad(f"{where}.content[{i}]: Bedrock takes images as data URLs only")
-            image_format = _IMAGE_FORMATS.get(inline[0])
-            if image_format is None:
-                raise _bad(f"{where}.content[{i}]: image type {inline[0]} is not png, jpeg, gif or webp")
-            blocks.append({"image": {"format": image_format, "source": {"bytes": inline[1]}}})
-        else:
-            raise _bad(f"{where}.content[{i}]: part type {kind!r} is not supported")
+    for i, part in enumerate(content_parts(content, _bad, where)):
+        if part.text is not None:
+            blocks.append({"text": part.text})
+            continue
+        if part.inline is None:
+            raise _bad(f"{where}.content[{i}]: Bedrock takes images as data URLs only")
+        image_format = _IMAGE_FORMATS.get(part.inline[0])
+        if image_format is None:
+            raise _bad(f"{where}.content[{i}]: image type {part.inline[0]} is not png, jpeg, gif or webp")
+        blocks.append({"image": {"format": image_format, "source": {"bytes": part.inline[1]}}})
     return blocks
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -18,6 +19,8 @@ import orjson
 from gateway.core.errors import InvalidRequest
 
 __all__ = [
+    "ContentPart",
+    "content_parts",
     "DONE_EVENT",
     "ChunkWriter",
     "UpstreamAnswerError",
@@ -67,6 +70,46 @@ def data_url(url: str) -> tuple[str, str] | None:
     if not sep or encoding != "base64" or not media_type:
         raise ValueError("a data URL image must be base64 (data:image/png;base64,...)")
     return media_type, data
+
+
+@dataclass(frozen=True, slots=True)
+class ContentPart:
+    """One part of a chat message's content, read once for every vendor's mapping:
+    ``text``, or an image as inline ``(media_type, base64 data)`` or a plain ``url``."""
+
+    text: str | None = None
+    inline: tuple[str, str] | None = None
+    url: str | None = None
+
+
+def content_parts(content: Any, bad: Callable[[str], InvalidRequest], where: str) -> list[ContentPart]:
+    """A user or assistant content (a string, or text and image_url parts) as parts; empty
+    texts are dropped (vendors refuse them); anything else is ``bad``, naming the part."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [ContentPart(text=content)] if content else []
+    if not isinstance(content, list):
+        raise bad(f"{where}: content must be a string or a list of parts")
+    parts: list[ContentPart] = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            if part["text"]:
+                parts.append(ContentPart(text=part["text"]))
+        elif kind == "image_url":
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            if not isinstance(url, str) or not url:
+                raise bad(f"{where}.content[{i}]: image_url needs a url")
+            try:
+                inline = data_url(url)
+            except ValueError as exc:
+                raise bad(f"{where}.content[{i}]: {exc}") from None
+            parts.append(ContentPart(inline=inline) if inline is not None else ContentPart(url=url))
+        else:
+            raise bad(f"{where}.content[{i}]: part type {kind!r} is not supported")
+    return parts
 
 
 def parse_tool_arguments(arguments: Any) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from gateway.protocols.chat import (
     ChunkWriter,
     UpstreamAnswerError,
     completion_object,
-    data_url,
+    content_parts,
     parse_tool_arguments,
     text_of,
     usage_object,
@@ -96,33 +96,14 @@ def _bad(message: str, code: str = "invalid_request") -> InvalidRequest:
 
 # --------------------------------------------------------------------------- requests
 def _parts(content: Any, where: str) -> list[dict[str, Any]]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [{"text": content}] if content else []
-    if not isinstance(content, list):
-        raise _bad(f"{where}: content must be a string or a list of parts")
     parts: list[dict[str, Any]] = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            if part["text"]:
-                parts.append({"text": part["text"]})
-        elif kind == "image_url":
-            image = part.get("image_url")
-            url = image.get("url") if isinstance(image, dict) else image
-            if not isinstance(url, str) or not url:
-                raise _bad(f"{where}.content[{i}]: image_url needs a url")
-            try:
-                inline = data_url(url)
-            except ValueError as exc:
-                raise _bad(f"{where}.content[{i}]: {exc}") from None
-            if inline is not None:
-                parts.append({"inlineData": {"mimeType": inline[0], "data": inline[1]}})
-            else:
-                parts.append({"fileData": {"fileUri": url}})
+    for part in content_parts(content, _bad, where):
+        if part.text is not None:
+            parts.append({"text": part.text})
+        elif part.inline is not None:
+            parts.append({"inlineData": {"mimeType": part.inline[0], "data": part.inline[1]}})
         else:
-            raise _bad(f"{where}.content[{i}]: part type {kind!r} is not supported")
+            parts.append({"fileData": {"fileUri": part.url}})
     return parts
 
 
