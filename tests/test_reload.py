@@ -260,6 +260,11 @@ async def test_sighup_reloads_a_running_gateway(process_factory: Any, fake_facto
         else:
             pytest.fail(f"SIGHUP did not reload; log:\n{gp.log()}")
         assert await _chat(session, gp.url, api_key, "n") == 200
+    # Log lines reach the file in batches (every 20 ms, from a writer thread): wait, bounded.
+    for _ in range(100):
+        if "config reloaded (sighup)" in gp.log():
+            break
+        await asyncio.sleep(0.05)
     assert "config reloaded (sighup)" in gp.log()
 
 
