@@ -78,13 +78,17 @@ async def test_a_key_limit_is_counted_once_across_replicas(cluster: Cluster, key
                 assert 'route="/v1/chat/completions"' in await r.text()
 
 
-async def test_a_budget_is_shared_through_the_balancer(cluster: Cluster, key_factory: Any) -> None:
-    raw, _ = await key_factory(budget_usd=Decimal("0.05"), budget_period="day", rate_limit_requests=1000)
+async def test_a_budget_is_shared_through_the_balancer(cluster: Cluster, key_factory: Any, db_pool: Any) -> None:
+    # A call reserves its worst case before it is sent: the prompt's JSON bytes (about 0.05
+    # USD here) plus max_tokens (0.02 USD for ten), or 8 USD for the default 4,096 output
+    # tokens. A budget of 0.15 USD holds a few such calls, so real calls spend it.
+    raw, record = await key_factory(budget_usd=Decimal("0.15"), budget_period="day", rate_limit_requests=1000)
+    small = chat_body(max_tokens=10)
     statuses: list[int] = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         # Calls go to either replica; spend reaches the other within about a second.
         for _ in range(60):
-            async with session.post(f"{cluster.url}/v1/chat/completions", json=chat_body(), headers=auth(raw)) as r:
+            async with session.post(f"{cluster.url}/v1/chat/completions", json=small, headers=auth(raw)) as r:
                 statuses.append(r.status)
             if statuses[-2:] == [402, 402]:
                 break
@@ -93,15 +97,22 @@ async def test_a_budget_is_shared_through_the_balancer(cluster: Cluster, key_fac
         # Spent for good, on both replicas.
         for replica in cluster.replicas:
             for _ in range(60):
-                async with session.post(f"{replica.url}/v1/chat/completions", json=chat_body(), headers=auth(raw)) as r:
+                async with session.post(f"{replica.url}/v1/chat/completions", json=small, headers=auth(raw)) as r:
                     status = r.status
                 if status == 402:
                     break
                 await asyncio.sleep(0.05)
             assert status == 402
-    # Two calls spend the budget; the other replica may serve a few more until its spend
-    # counters refresh (about a second: ~18 sequential calls here, half of them its own).
-    assert statuses.count(200) <= 2 + 18, statuses
+    # Reservations are shared (Redis), so neither replica lets the key spend past its budget:
+    # the ledger's rows of every served call add up to at most 0.15 USD.
+    served = statuses.count(200)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # both replicas ship their rows
+        if await db_pool.fetchval("SELECT count(*) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id) >= served:
+            break
+        await asyncio.sleep(0.1)
+    spent = await db_pool.fetchval("SELECT sum(cost_usd) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id)
+    assert served >= 1 and spent <= Decimal("0.15"), (statuses, spent)
 
 
 async def test_revocation_holds_on_every_replica_within_a_second(cluster: Cluster, key_factory: Any, db_pool: Any) -> None:
