@@ -24,7 +24,6 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +40,14 @@ from gateway.core.db import migrate
 DEFAULT_DSN = os.environ.get("TEST_PG_ADMIN_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
 MODELS = [f"model-{i}" for i in range(12)]
 PROVIDERS = ["venice", "anthropic", "local"]
+#: The columns the fill writes, in its SELECT's order: every column an event fills.
+FILL_COLUMNS = (
+    "call_id", "request_id", "response_id", "api_key_id", "subject_id", "requested_model", "served_model",
+    "provider", "deployment", "prompt_tokens", "completion_tokens", "usage_estimated", "cost_usd",
+    "cost_diem", "cost_source", "latency_seconds", "ttft_seconds", "status", "outcome", "streamed",
+    "retries", "failovers", "error_type", "finish_reason", "created_at", "protocol", "guardrails", "recorded_at",
+)
+assert set(FILL_COLUMNS) == {*LEDGER_COLUMNS, "recorded_at"}, "a ledger column was added: fill it here too"
 
 
 def with_db(dsn: str, name: str) -> str:
@@ -62,6 +69,10 @@ async def timed(label: str, action: Callable[[], Awaitable[Any]], runs: int = 5)
 
 
 async def fill(conn: asyncpg.Connection, rows: int, days: int, n_keys: int, batch: int) -> list[tuple[uuid.UUID, uuid.UUID]]:
+    """Fill the ledger set-based: one ``INSERT ... SELECT FROM generate_series`` per
+    ``batch`` rows, with the rollup trigger disabled and the ledger's indexes dropped,
+    then the indexes rebuilt and every rollup built from the ledger in one statement each
+    (what the migrations' backfills do). Returns the keys (id, subject), busiest first."""
     rng = random.Random(42)
     subjects = [uuid.uuid4() for _ in range(max(1, n_keys // 10))]
     keys = [(uuid.uuid4(), rng.choice(subjects)) for _ in range(n_keys)]
@@ -70,31 +81,81 @@ async def fill(conn: asyncpg.Connection, rows: int, days: int, n_keys: int, batc
         records=[(k, s, f"bench-{i}", f"llmg_b{i:06d}", os.urandom(32)) for i, (k, s) in enumerate(keys)],
         columns=["api_key_id", "subject_id", "name", "key_prefix", "key_hash"],
     )
-    home_models = {k: rng.sample(MODELS, rng.randint(1, 3)) for k, _ in keys}
-    weights = [1 / (i + 1) for i in range(n_keys)]  # Zipf-like: a few keys do most calls
-    now = datetime.now(timezone.utc).timestamp()
-    span = days * 86400
+    # Each key calls one to three of the dozen models; each model is served by one provider.
+    await conn.execute("CREATE TEMP TABLE bench_models (idx int PRIMARY KEY, model text, provider text)")
+    await conn.copy_records_to_table("bench_models", records=[
+        (i, m, PROVIDERS[i % len(PROVIDERS)]) for i, m in enumerate(MODELS)])
+    await conn.execute("CREATE TEMP TABLE bench_keys (idx int PRIMARY KEY, api_key_id uuid, subject_id uuid, models int[])")
+    await conn.copy_records_to_table("bench_keys", records=[
+        (i, k, s, rng.sample(range(len(MODELS)), rng.randint(1, 3))) for i, (k, s) in enumerate(keys)])
+    await conn.execute("ANALYZE bench_models; ANALYZE bench_keys")
+
     start = time.perf_counter()
+    # Indexes are built once at the end (far cheaper than 10 M random inserts into each).
+    indexes = await conn.fetch(
+        """SELECT c.relname AS name, pg_get_indexdef(c.oid) AS def, con.conname AS constraint_name,
+                  pg_get_constraintdef(con.oid) AS constraint_def
+           FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+           LEFT JOIN pg_constraint con ON con.conindid = i.indexrelid
+           WHERE i.indrelid = 'usage_ledger'::regclass""")
+    for ix in indexes:
+        if ix["constraint_name"]:
+            await conn.execute(f'ALTER TABLE usage_ledger DROP CONSTRAINT "{ix["constraint_name"]}"')
+        else:
+            await conn.execute(f'DROP INDEX "{ix["name"]}"')
+    await conn.execute("ALTER TABLE usage_ledger DISABLE TRIGGER USER")
+    await conn.execute("SET synchronous_commit = off")
+    now = datetime.now(timezone.utc)
     for done in range(0, rows, batch):
-        chosen = rng.choices(keys, weights=weights, k=min(batch, rows - done))
-        records = []
-        for key, subject in chosen:
-            model = rng.choice(home_models[key])
-            provider = PROVIDERS[MODELS.index(model) % len(PROVIDERS)]
-            prompt, completion = rng.randint(5, 2000), rng.randint(0, 1500)
-            created = datetime.fromtimestamp(now - rng.random() * span, timezone.utc)
-            records.append((
-                uuid.uuid4(), uuid.uuid4().hex, None, key, subject, model, model, provider,
-                f"{provider}/{model}", prompt, completion, False,
-                Decimal(prompt * 3 + completion * 15) / 1_000_000, None, "price", 0.5, None,
-                200 if rng.random() > 0.02 else 502, "ok", rng.random() < 0.6, 0, 0, None, "stop", created,
-                "chat", None,  # protocol, guardrails
-            ))
-            assert len(records[-1]) == len(LEDGER_COLUMNS), "a ledger column was added: fill it here too"
-        await conn.copy_records_to_table("usage_ledger", records=records, columns=list(LEDGER_COLUMNS))
-        print(f"\r  filled {done + len(records):>9,} rows", end="", flush=True)
+        count = min(batch, rows - done)
+        # Keys by a Zipf-like law (key i with weight ~1/(i+1): a few keys do most calls),
+        # times uniform over the days, 2 % provider errors and 0.5 % rate limits (no
+        # tokens, no cost), 60 % streamed; the Venice model's calls carry a diem cost.
+        await conn.execute(
+            f"""
+            INSERT INTO usage_ledger ({", ".join(FILL_COLUMNS)})
+            SELECT gen_random_uuid(), md5(r.g::text || $4), CASE WHEN r.status = 200 THEN 'chatcmpl-' || r.g END,
+                   k.api_key_id, k.subject_id, m.model, m.model, m.provider, m.provider || '/' || m.model,
+                   t.prompt, t.completion, false, t.cost,
+                   CASE WHEN m.provider = 'venice' THEN t.cost END,
+                   CASE WHEN r.status <> 200 THEN 'none' WHEN m.provider = 'venice' THEN 'provider' ELSE 'price' END,
+                   0.2 + r.u * 3, CASE WHEN r.streamed THEN 0.05 + r.u * 0.5 END,
+                   r.status, CASE WHEN r.status = 200 THEN 'ok' ELSE 'provider_error' END, r.streamed,
+                   0, 0, CASE r.status WHEN 502 THEN 'upstream_error' WHEN 429 THEN 'rate_limited' END,
+                   CASE WHEN r.status = 200 THEN 'stop' END, r.created_at,
+                   CASE WHEN r.u < 0.8 THEN 'chat' ELSE 'anthropic' END, NULL,
+                   r.created_at + make_interval(secs => 1 + r.u * 3)
+            FROM (SELECT g,
+                         least($1 - 1, floor(exp(random() * ln($1 + 1)))::int - 1) AS key_idx,
+                         random() AS model_pick, random() AS u,
+                         CASE WHEN random() < 0.975 THEN 200 WHEN random() < 0.8 THEN 502 ELSE 429 END AS status,
+                         random() < 0.6 AS streamed,
+                         $3::timestamptz - make_interval(secs => random() * $2) AS created_at,
+                         5 + floor(random() * 1996)::int AS prompt, floor(random() * 1501)::int AS completion
+                  FROM generate_series($5::bigint, $6::bigint) AS g) r
+            JOIN bench_keys k ON k.idx = r.key_idx
+            JOIN bench_models m ON m.idx = k.models[1 + floor(r.model_pick * cardinality(k.models))::int]
+            CROSS JOIN LATERAL (
+              SELECT CASE WHEN r.status = 200 THEN r.prompt ELSE 0 END AS prompt,
+                     CASE WHEN r.status = 200 THEN r.completion ELSE 0 END AS completion,
+                     CASE WHEN r.status = 200 THEN (r.prompt * 3 + r.completion * 15)::numeric / 1000000 ELSE 0 END AS cost
+            ) t
+            """,
+            n_keys, float(days * 86400), now, uuid.uuid4().hex, done, done + count - 1,
+        )
+        print(f"\r  filled {done + count:>11,} rows ({time.perf_counter() - start:.0f} s)", end="", flush=True)
+    filled = time.perf_counter() - start
+    for ix in indexes:
+        if ix["constraint_name"]:
+            await conn.execute(f'ALTER TABLE usage_ledger ADD CONSTRAINT "{ix["constraint_name"]}" {ix["constraint_def"]}')
+        else:
+            await conn.execute(ix["def"])
+    indexed = time.perf_counter() - start
+    await conn.execute("SELECT usage_rollups_rebuild()")
+    await conn.execute("ALTER TABLE usage_ledger ENABLE TRIGGER USER")
     elapsed = time.perf_counter() - start
-    print(f"\r  filled {rows:,} rows in {elapsed:.1f} s ({rows / elapsed:,.0f} rows/s, COPY + indexes + rollup trigger)")
+    print(f"\r  filled {rows:,} rows in {elapsed:.0f} s: insert {filled:.0f} s, indexes {indexed - filled:.0f} s, "
+          f"rollups {elapsed - indexed:.0f} s")
     return keys
 
 

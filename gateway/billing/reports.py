@@ -6,11 +6,16 @@ One query function serves ``llm-gateway usage`` and ``GET /admin/usage``:
     report = await usage_report(pool, query)
     return web.json_response(report.to_json())
 
-It stays fast on a large ledger by reading whole UTC days from the ``usage_daily``
-rollup, the whole hours of the partial days at the edges of the range (``since``/``until``
-that are not midnight) from ``usage_hourly``, and only the partial hours at its very ends
-from the ledger itself, through its ``created_at`` index. The result is exactly what
-summing the ledger over ``[since, until)`` gives. Days are UTC days.
+It stays fast on a large ledger (tens of milliseconds on 10 M rows, docs/billing.md) by
+reading aligned time blocks instead of rows or days: a range ``[since, until)`` splits into
+blocks of 1, 2, 4 or 8 hours and 1, 2, 4 ... 64 UTC days (:func:`block_plan`; a 30-day
+range is about ten blocks), read from ``usage_key_blocks`` for reports by key or subject
+and ``usage_model_blocks`` for reports by model, provider or day (day blocks at most, so
+each lies in one day), plus the ledger itself for the partial hours at the very ends,
+through its ``created_at`` index. Reports by model, provider or day for one key or
+subject read ``usage_daily``, ``usage_hourly`` and the ledger's edges instead (the model
+blocks have no key). Either way the result is exactly what summing the ledger over
+``[since, until)`` gives (tested). Days are UTC days.
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ from typing import Any
 import asyncpg
 
 __all__ = [
+    "BLOCK_SPANS",
     "GROUPS",
+    "BlockPlan",
     "UsageQuery",
     "UsageReport",
     "UsageRow",
+    "block_plan",
     "format_table",
     "parse_time",
     "query_from_params",
@@ -38,15 +46,33 @@ __all__ = [
 #: What a report may be grouped by (the contract names key, model and day).
 GROUPS = ("key", "model", "day", "subject", "provider")
 
-#: group → (expression over usage_daily, over usage_hourly, over usage_ledger), all text.
-_GROUP_EXPRESSIONS = {
-    "key": ("api_key_id::text", "api_key_id::text", "api_key_id::text"),
-    "subject": ("subject_id::text", "subject_id::text", "subject_id::text"),
-    "model": ("model", "model", "requested_model"),
-    "provider": ("provider", "provider", "coalesce(provider, '')"),
-    "day": ("day::text", "((hour AT TIME ZONE 'UTC')::date)::text", "((created_at AT TIME ZONE 'UTC')::date)::text"),
+#: Block spans in hours, as ``usage_block_spans()`` in sql/0015_usage_blocks.sql lists
+#: them: 1-8 hours aligned within the UTC day, then 1-64 UTC days aligned on the days
+#: since 1970-01-01. Each divides the next, so a range splits into aligned blocks greedily.
+BLOCK_SPANS = (1, 2, 4, 8, 24, 48, 96, 192, 384, 768, 1536)
+
+#: group → its expression over each source, in the column's own type (cast to text once,
+#: on the grouped result). Sources: the block rollups, usage_daily, usage_hourly, the ledger.
+_GROUP_EXPRESSIONS: dict[str, dict[str, str]] = {
+    "key": dict.fromkeys(("blocks", "daily", "hourly", "ledger"), "api_key_id"),
+    "subject": dict.fromkeys(("blocks", "daily", "hourly", "ledger"), "subject_id"),
+    "model": {"blocks": "model", "daily": "model", "hourly": "model", "ledger": "requested_model"},
+    "provider": {"blocks": "provider", "daily": "provider", "hourly": "provider", "ledger": "coalesce(provider, '')"},
+    "day": {
+        "blocks": "(block_start AT TIME ZONE 'UTC')::date",
+        "daily": "day",
+        "hourly": "(hour AT TIME ZONE 'UTC')::date",
+        "ledger": "(created_at AT TIME ZONE 'UTC')::date",
+    },
 }
 _HOUR = timedelta(hours=1)
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_SUMS = """sum(requests) AS requests, sum(errors) AS errors, sum(prompt_tokens) AS prompt_tokens,
+           sum(completion_tokens) AS completion_tokens, sum(cost_usd) AS cost_usd,
+           sum(cost_diem) AS cost_diem"""
+_LEDGER_SUMS = """count(*) AS requests, count(*) FILTER (WHERE status >= 400) AS errors,
+           sum(prompt_tokens) AS prompt_tokens, sum(completion_tokens) AS completion_tokens,
+           sum(cost_usd) AS cost_usd, coalesce(sum(cost_diem), 0) AS cost_diem"""
 
 
 def parse_time(text: str, name: str) -> datetime:
@@ -173,7 +199,7 @@ def _midnight(day: date) -> datetime:
 def _split(since: datetime | None, until: datetime | None) -> tuple[
     tuple[date | None, date | None] | None, list[tuple[datetime | None, datetime | None]]
 ]:
-    """Whole UTC days ``[first, last)`` for the rollup, and the ledger ranges at the edges."""
+    """Whole UTC days ``[first, last)`` for usage_daily, and the partial days at the edges."""
     first: date | None = None
     last: date | None = None
     edges: list[tuple[datetime | None, datetime | None]] = []
@@ -183,7 +209,7 @@ def _split(since: datetime | None, until: datetime | None) -> tuple[
     if until is not None:
         last = until.astimezone(timezone.utc).date()
     if first is not None and last is not None and first >= last:
-        return None, [(since, until)]  # inside one day (or two partial ones): the ledger only
+        return None, [(since, until)]  # inside one day (or two partial ones): hours and the ledger
     if since is not None and first is not None and since < _midnight(first):
         edges.append((since, _midnight(first)))
     if until is not None and last is not None and _midnight(last) < until:
@@ -213,74 +239,165 @@ def _hours(start: datetime | None, end: datetime | None) -> tuple[
     return (first, last), ledger
 
 
-async def usage_report(conn: asyncpg.Connection | asyncpg.Pool, query: UsageQuery) -> UsageReport:
-    """Run ``query``: one SQL statement over the rollups and the ledger's edges."""
-    daily_group, hourly_group, ledger_group = _GROUP_EXPRESSIONS[query.group_by]
-    args: list[Any] = []
+@dataclass(frozen=True, slots=True)
+class BlockPlan:
+    """How a range ``[since, until)`` is read from a block rollup.
 
-    def arg(value: Any) -> str:
-        args.append(value)
-        return f"${len(args)}"
+    ``blocks``: explicit ``(span_hours, start)`` blocks; ``open_range``: when an end is
+    open, every block of span ``top`` whose start lies in ``[lower, upper)`` (None: no
+    bound) as well; ``ledger``: the partial hours at the ends, summed from the ledger.
+    Together they cover every instant of the range exactly once (tested)."""
 
-    filters: list[str] = []
-    if query.api_key_id is not None:
-        filters.append(f"api_key_id = {arg(query.api_key_id)}")
-    if query.subject_id is not None:
-        filters.append(f"subject_id = {arg(query.subject_id)}")
+    blocks: tuple[tuple[int, datetime], ...]
+    top: int
+    open_range: tuple[datetime | None, datetime | None] | None
+    ledger: tuple[tuple[datetime, datetime], ...]
+
+
+def _epoch_hours(moment: datetime, *, up: bool) -> int:
+    """Whole hours since 1970-01-01 UTC: ``moment`` rounded down (or up)."""
+    seconds = (moment - _EPOCH) // timedelta(seconds=1)
+    whole, part = divmod(seconds, 3600)
+    exact = part == 0 and moment.microsecond == 0
+    return whole + 1 if up and not exact else whole
+
+
+def _at(hours: int) -> datetime:
+    return _EPOCH + hours * _HOUR
+
+
+def block_plan(since: datetime | None, until: datetime | None, *, max_span: int = BLOCK_SPANS[-1]) -> BlockPlan:
+    """Split ``[since, until)`` into aligned blocks of at most ``max_span`` hours (24 for
+    reports by day, whose every block must lie inside one day) and ledger edges."""
+    spans = [s for s in BLOCK_SPANS if s <= max_span]
+    top = spans[-1]
+    first = None if since is None else _epoch_hours(since, up=True)
+    last = None if until is None else _epoch_hours(until, up=False)
+    if since is not None and until is not None and first is not None and last is not None and first >= last:
+        return BlockPlan((), top, None, ((since, until),))  # inside an hour, or across one boundary
+    ledger: list[tuple[datetime, datetime]] = []
+    if since is not None and first is not None and since < _at(first):
+        ledger.append((since, _at(first)))
+    if until is not None and last is not None and _at(last) < until:
+        ledger.append((_at(last), until))
+    open_range: tuple[datetime | None, datetime | None] | None = None
+    if first is None and last is None:
+        open_range, first, last = (None, None), 0, 0
+    elif first is None:
+        assert last is not None
+        aligned = last - last % top
+        open_range, first = (None, _at(aligned)), aligned
+    elif last is None:
+        aligned = first + (-first) % top
+        open_range, last = (_at(aligned), None), aligned
+    blocks: list[tuple[int, datetime]] = []
+    at = first
+    while at < last:
+        span = next(s for s in reversed(spans) if at % s == 0 and at + s <= last)
+        blocks.append((span, _at(at)))
+        at += span
+    return BlockPlan(tuple(blocks), top, open_range, tuple(ledger))
+
+
+class _Sql:
+    """One report statement's parts and its numbered arguments."""
+
+    def __init__(self) -> None:
+        self.args: list[Any] = []
+        self.parts: list[str] = []
+
+    def arg(self, value: Any) -> str:
+        self.args.append(value)
+        return f"${len(self.args)}"
+
+    def part(self, group: str, source: str, conds: list[str], *, sums: str = _SUMS, join: str = "") -> None:
+        where = f"WHERE {' AND '.join(conds)}" if conds else ""
+        self.parts.append(f"SELECT {group} AS g, {sums} FROM {source} {join} {where} GROUP BY 1")
+
+    def ledger(self, group: str, filters: list[str], start: datetime | None, end: datetime | None) -> None:
+        conds = list(filters)
+        if start is not None:
+            conds.append(f"created_at >= {self.arg(start)}")
+        if end is not None:
+            conds.append(f"created_at < {self.arg(end)}")
+        self.part(group, "usage_ledger", conds, sums=_LEDGER_SUMS)
+
+
+def _from_blocks(sql: _Sql, query: UsageQuery, table: str, filters: list[str]) -> None:
+    """The parts reading a block rollup (and the ledger's partial hours at the ends)."""
+    exprs = _GROUP_EXPRESSIONS[query.group_by]
+    plan = block_plan(query.since, query.until, max_span=24 if query.group_by == "day" else BLOCK_SPANS[-1])
+    if plan.blocks:
+        spans = sql.arg([span for span, _ in plan.blocks])
+        starts = sql.arg([start for _, start in plan.blocks])
+        sql.part(exprs["blocks"], f"unnest({spans}::integer[], {starts}::timestamptz[]) AS x (span_hours, block_start)",
+                 filters, join=f"JOIN {table} USING (span_hours, block_start)")
+    if plan.open_range is not None:
+        lower, upper = plan.open_range
+        conds = [*filters, f"span_hours = {sql.arg(plan.top)}"]
+        if lower is not None:
+            conds.append(f"block_start >= {sql.arg(lower)}")
+        if upper is not None:
+            conds.append(f"block_start < {sql.arg(upper)}")
+        sql.part(exprs["blocks"], table, conds)
+    for start, end in plan.ledger:
+        sql.ledger(exprs["ledger"], filters, start, end)
+
+
+def _from_days(sql: _Sql, query: UsageQuery, filters: list[str]) -> None:
+    """The parts reading usage_daily for whole days, usage_hourly for the whole hours of
+    the edge days and the ledger for the rest: for one key's or subject's models or days,
+    through those tables' key and subject indexes."""
+    exprs = _GROUP_EXPRESSIONS[query.group_by]
     days, edges = _split(query.since, query.until)
-    parts: list[str] = []
     if days is not None:
         conds = list(filters)
         if days[0] is not None:
-            conds.append(f"day >= {arg(days[0])}")
+            conds.append(f"day >= {sql.arg(days[0])}")
         if days[1] is not None:
-            conds.append(f"day < {arg(days[1])}")
-        parts.append(
-            f"""SELECT {daily_group} AS g, sum(requests) AS requests, sum(errors) AS errors,
-                   sum(prompt_tokens) AS prompt_tokens, sum(completion_tokens) AS completion_tokens,
-                   sum(cost_usd) AS cost_usd, sum(cost_diem) AS cost_diem
-            FROM usage_daily {'WHERE ' + ' AND '.join(conds) if conds else ''} GROUP BY 1"""
-        )
-    ledger_ranges: list[tuple[datetime | None, datetime | None]] = []
+            conds.append(f"day < {sql.arg(days[1])}")
+        sql.part(exprs["daily"], "usage_daily", conds)
     for edge_start, edge_end in edges:
         hours, rest = _hours(edge_start, edge_end)
-        ledger_ranges += rest
-        if hours is None:
-            continue
-        conds = [*filters, f"hour >= {arg(hours[0])}", f"hour < {arg(hours[1])}"]
-        parts.append(
-            f"""SELECT {hourly_group} AS g, sum(requests) AS requests, sum(errors) AS errors,
-                   sum(prompt_tokens) AS prompt_tokens, sum(completion_tokens) AS completion_tokens,
-                   sum(cost_usd) AS cost_usd, sum(cost_diem) AS cost_diem
-            FROM usage_hourly WHERE {' AND '.join(conds)} GROUP BY 1"""
-        )
-    for start, end in ledger_ranges:
-        conds = list(filters)
-        if start is not None:
-            conds.append(f"created_at >= {arg(start)}")
-        if end is not None:
-            conds.append(f"created_at < {arg(end)}")
-        parts.append(
-            f"""SELECT {ledger_group} AS g, count(*) AS requests,
-                   count(*) FILTER (WHERE status >= 400) AS errors,
-                   sum(prompt_tokens) AS prompt_tokens, sum(completion_tokens) AS completion_tokens,
-                   sum(cost_usd) AS cost_usd, coalesce(sum(cost_diem), 0) AS cost_diem
-            FROM usage_ledger {'WHERE ' + ' AND '.join(conds) if conds else ''} GROUP BY 1"""
-        )
+        for start, end in rest:
+            sql.ledger(exprs["ledger"], filters, start, end)
+        if hours is not None:
+            sql.part(exprs["hourly"], "usage_hourly",
+                     [*filters, f"hour >= {sql.arg(hours[0])}", f"hour < {sql.arg(hours[1])}"])
+
+
+async def usage_report(conn: asyncpg.Connection | asyncpg.Pool, query: UsageQuery) -> UsageReport:
+    """Run ``query``: one SQL statement over the rollups and the ledger's edges.
+
+    Reports by key or subject read ``usage_key_blocks``; by model, provider or day,
+    ``usage_model_blocks``, unless filtered by a key or subject (that table has neither):
+    then usage_daily and usage_hourly, whose rows for one key or subject are few."""
+    sql = _Sql()
+    filters: list[str] = []
+    if query.api_key_id is not None:
+        filters.append(f"api_key_id = {sql.arg(query.api_key_id)}")
+    if query.subject_id is not None:
+        filters.append(f"subject_id = {sql.arg(query.subject_id)}")
+    if query.group_by in ("key", "subject"):
+        _from_blocks(sql, query, "usage_key_blocks", filters)
+    elif not filters:
+        _from_blocks(sql, query, "usage_model_blocks", filters)
+    else:
+        _from_days(sql, query, filters)
     by_key = query.group_by == "key"
-    order = "p.g" if query.group_by == "day" else "sum(p.cost_usd) DESC, sum(p.requests) DESC, p.g"
-    sql = f"""
-        WITH parts AS ({' UNION ALL '.join(parts)})
-        SELECT p.g, sum(p.requests)::bigint AS requests, sum(p.errors)::bigint AS errors,
+    order = "p.g" if query.group_by == "day" else "sum(p.cost_usd) DESC, sum(p.requests) DESC, p.g::text"
+    statement = f"""
+        WITH parts AS ({' UNION ALL '.join(sql.parts)})
+        SELECT p.g::text AS g, sum(p.requests)::bigint AS requests, sum(p.errors)::bigint AS errors,
                sum(p.prompt_tokens)::bigint AS prompt_tokens,
                sum(p.completion_tokens)::bigint AS completion_tokens,
                sum(p.cost_usd) AS cost_usd, sum(p.cost_diem) AS cost_diem
                {', k.key_prefix, k.name AS key_name' if by_key else ''}
         FROM parts p
-        {'LEFT JOIN api_keys k ON k.api_key_id = p.g::uuid' if by_key else ''}
+        {'LEFT JOIN api_keys k ON k.api_key_id = p.g' if by_key else ''}
         GROUP BY p.g{', k.key_prefix, k.name' if by_key else ''}
         ORDER BY {order}"""
-    rows = await conn.fetch(sql, *args)
+    rows = await conn.fetch(statement, *sql.args)
     return UsageReport(query=query, rows=tuple(
         UsageRow(
             group=r["g"],
