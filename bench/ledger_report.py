@@ -3,19 +3,28 @@
     python bench/ledger_report.py [--dsn ADMIN_DSN] [--rows 1000000] [--days 90] [--keys 500]
 
 Creates a scratch database (``llmg_bench_ledger_*``, dropped at the end unless
-``--keep``), applies the migrations, fills the ledger with COPY in batches (the rollup
-trigger runs per batch, as it does for shipped batches), then times each report the
-``usage`` command and ``GET /admin/usage`` run, the budget refresh every replica runs once
-a second, and, for comparison, the same report summed from the ledger alone.
+``--keep``), applies the migrations, fills the ledger set-based (``INSERT ... SELECT FROM
+generate_series`` in batches, the rollup triggers and the ledger's indexes off meanwhile,
+then the indexes built and every rollup built by ``usage_rollups_rebuild()``, one GROUP
+BY each: 10 M rows in minutes), then times each report the ``usage`` command and
+``GET /admin/usage`` run (every grouping over the last 30 days, 30 days ending 40 days
+ago and all time, server time and client-side), the budget refresh every replica runs
+once a second, the budget reservation round trip, shipping through the triggers, and,
+for comparison, the same report summed from the ledger alone.
+
+The figure in docs/billing.md: ``--rows 10000000 --keys 2000``.
 
 Traffic shape: keys used with Zipf-like skew, each key on one to three models of a dozen,
-each model on one provider, spread evenly over ``--days`` days up to now.
+each model on one provider, spread evenly over ``--days`` days up to now; 2 % provider
+errors and 0.5 % rate limits (no tokens, no cost), 60 % streamed, Venice's calls with a
+diem cost.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import statistics
@@ -33,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gateway.billing.budgets import fetch_spend
 from gateway.billing.ledger import LEDGER_COLUMNS, UsageEvent, ship_lines
-from gateway.billing.reports import UsageQuery, usage_report
+from gateway.billing.reports import GROUPS, UsageQuery, report_statement, usage_report
 from gateway.billing.reservations import Budget, PostgresReservations, Reservation, period_start
 from gateway.core.db import migrate
 
@@ -190,6 +199,41 @@ async def ship_throughput(conn: asyncpg.Connection, keys: list[tuple[uuid.UUID, 
           f"{(time.perf_counter() - start) * 1000 / batches:.1f} ms per batch")
 
 
+async def blocks_cost(conn: asyncpg.Connection, keys: list[tuple[uuid.UUID, uuid.UUID]]) -> None:
+    """What the block rollups' trigger adds to shipping: batches of 500 with it and
+    without it, alternated (so the machine's load weighs on both alike)."""
+    rng = random.Random(2)
+    now = time.time()
+    per_batch: dict[bool, list[float]] = {True: [], False: []}
+    for round_ in range(10):
+        for with_blocks in (True, False):
+            lines = []
+            for _ in range(500):
+                key, subject = rng.choice(keys)
+                model = rng.choice(MODELS)
+                lines.append(UsageEvent(
+                    call_id=uuid.uuid4(), request_id=uuid.uuid4().hex, response_id="chatcmpl-x", api_key_id=key,
+                    subject_id=subject, requested_model=model, served_model=model, provider="venice",
+                    deployment=f"venice/{model}", prompt_tokens=100, completion_tokens=200, usage_estimated=False,
+                    cost_usd=0.0012, cost_diem=None, cost_source="price", latency_seconds=0.4, ttft_seconds=0.1,
+                    status=200, outcome="ok", streamed=True, retries=0, failovers=0, error_type=None,
+                    finish_reason="stop", created_at=now - rng.random() * 60,
+                ).to_line())
+            if not with_blocks:
+                await conn.execute("ALTER TABLE usage_ledger DISABLE TRIGGER usage_ledger_blocks")
+            start = time.perf_counter()
+            await ship_lines(conn, lines)
+            elapsed = time.perf_counter() - start
+            if not with_blocks:
+                await conn.execute("ALTER TABLE usage_ledger ENABLE TRIGGER usage_ledger_blocks")
+            if round_:  # the first round warms up
+                per_batch[with_blocks].append(elapsed * 1000)
+    print(f"  batches of 500 over all models, alternated: with the block rollups "
+          f"{statistics.median(per_batch[True]):.1f} ms, without {statistics.median(per_batch[False]):.1f} ms (medians)")
+    # Leave the rollups as the triggers would have: the batches without blocks added.
+    await conn.execute("SELECT usage_blocks_rebuild()")
+
+
 async def reservations(conn: asyncpg.Connection, key: tuple[uuid.UUID, uuid.UUID]) -> None:
     """The budget check of a call: reserve against a key's and its subject's budgets (the
     busiest key, so its budget_spend rows are the hottest), with 50 reservations open."""
@@ -207,13 +251,63 @@ async def reservations(conn: asyncpg.Connection, key: tuple[uuid.UUID, uuid.UUID
     await conn.execute("DELETE FROM budget_reservations")
 
 
+def run_report(conn: asyncpg.Connection, query: UsageQuery) -> Callable[[], Awaitable[Any]]:
+    return lambda: usage_report(conn, query)
+
+
+async def server_ms(conn: asyncpg.Connection, query: UsageQuery, runs: int = 5) -> float:
+    """The median time PostgreSQL spends on the report's statement (planning plus
+    execution, EXPLAIN ANALYZE without per-node timing): server time, without the round
+    trip and the decoding of the rows."""
+    statement, args = report_statement(query)
+    samples = []
+    for _ in range(runs):
+        [plan] = json.loads(await conn.fetchval(f"EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) {statement}", *args))
+        samples.append(plan["Planning Time"] + plan["Execution Time"])
+    return statistics.median(samples)
+
+
+async def reports(conn: asyncpg.Connection, keys: list[tuple[uuid.UUID, uuid.UUID]], now: datetime, odd: timedelta) -> None:
+    """Every grouping over the three ranges of the target, then a few more shapes; ends
+    with the Markdown table docs/billing.md carries (server and client medians, ms)."""
+    print("reports (gateway.billing.reports.usage_report), client-side median / server median:")
+    ranges = {
+        "last 30 days": (now - timedelta(days=30) + odd, now),
+        "30 days ending 40 days ago": (now - timedelta(days=70) + odd, now - timedelta(days=40) + odd),
+        "all time": (None, None),
+    }
+    table: dict[tuple[str, str], tuple[float, float]] = {}
+    for group in GROUPS:
+        for name, (since, until) in ranges.items():
+            query = UsageQuery(group_by=group, since=since, until=until)
+            client = await timed(f"group by {group}, {name}", run_report(conn, query))
+            table[group, name] = (await server_ms(conn, query), client)
+            print(f"  {'':<58} server {table[group, name][0]:8.1f} ms")
+    top_key, top_subject = keys[0]
+    for label, query in [
+        ("group by model, last 7 days", UsageQuery(group_by="model", since=now - timedelta(days=7) + odd, until=now)),
+        ("group by model, one busy key, last 30 days", UsageQuery(group_by="model", api_key_id=top_key, since=ranges["last 30 days"][0], until=now)),
+        ("group by day, one busy key, all time", UsageQuery(group_by="day", api_key_id=top_key)),
+        ("group by key, one subject, last 30 days", UsageQuery(group_by="key", subject_id=top_subject, since=ranges["last 30 days"][0], until=now)),
+        ("group by key, inside one day", UsageQuery(group_by="key", since=now - timedelta(hours=20, minutes=7), until=now - timedelta(hours=2))),
+    ]:
+        await timed(label, run_report(conn, query))
+        print(f"  {'':<58} server {await server_ms(conn, query):8.1f} ms")
+    print("\n| group by | " + " | ".join(ranges) + " |")
+    print("| --- |" + " --- |" * len(ranges))
+    for group in GROUPS:
+        cells = [f"{table[group, name][0]:.1f} ({table[group, name][1]:.1f})" for name in ranges]
+        print(f"| {group} | " + " | ".join(cells) + " |")
+    print("(server ms, client-side ms in brackets; medians of 5)\n")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dsn", default=DEFAULT_DSN, help="a superuser DSN (a scratch database is created)")
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--days", type=int, default=90)
     parser.add_argument("--keys", type=int, default=500)
-    parser.add_argument("--batch", type=int, default=50_000)
+    parser.add_argument("--batch", type=int, default=1_000_000, help="rows per INSERT of the fill")
     parser.add_argument("--keep", action="store_true", help="keep the scratch database")
     parser.add_argument("--reuse", metavar="NAME", help="time an existing (kept) database; no fill, no drop")
     args = parser.parse_args()
@@ -234,7 +328,7 @@ async def main() -> None:
             else:
                 await migrate(conn)
                 keys = await fill(conn, args.rows, args.days, args.keys, args.batch)
-                await conn.execute("ANALYZE")
+                await conn.execute("VACUUM ANALYZE")
             ledger_rows = await conn.fetchval("SELECT count(*) FROM usage_ledger")
             daily_rows = await conn.fetchval("SELECT count(*) FROM usage_daily")
             size = await conn.fetchval("SELECT pg_size_pretty(pg_total_relation_size('usage_ledger'))")
@@ -242,21 +336,7 @@ async def main() -> None:
 
             now = datetime.now(timezone.utc)
             odd = timedelta(hours=7, minutes=13)  # not midnight: the edges come from the ledger
-            top_key = keys[0][0]
-            print("reports (gateway.billing.reports.usage_report):")
-            for label, query in [
-                ("group by key, all time", UsageQuery(group_by="key")),
-                ("group by model, all time", UsageQuery(group_by="model")),
-                ("group by day, all time", UsageQuery(group_by="day")),
-                ("group by key, last 30 days (unaligned edges)", UsageQuery(group_by="key", since=now - timedelta(days=30) + odd, until=now)),
-                ("group by model, last 30 days (unaligned edges)", UsageQuery(group_by="model", since=now - timedelta(days=30) + odd, until=now)),
-                ("group by day, last 30 days (unaligned edges)", UsageQuery(group_by="day", since=now - timedelta(days=30) + odd, until=now)),
-                ("group by key, 30 days ending 40 days ago", UsageQuery(group_by="key", since=now - timedelta(days=70) + odd, until=now - timedelta(days=40) + odd)),
-                ("group by model, last 7 days (unaligned edges)", UsageQuery(group_by="model", since=now - timedelta(days=7) + odd, until=now)),
-                ("group by day, one busy key, all time", UsageQuery(group_by="day", api_key_id=top_key)),
-                ("group by model, inside one day (ledger only)", UsageQuery(group_by="model", since=now - timedelta(hours=20), until=now - timedelta(hours=2))),
-            ]:
-                await timed(label, lambda q=query: usage_report(conn, q))
+            await reports(conn, keys, now, odd)
             print("for comparison, the same from the ledger alone:")
             await timed("group by key, all time, ledger scan", lambda: conn.fetch(
                 "SELECT api_key_id, count(*), sum(prompt_tokens), sum(completion_tokens), sum(cost_usd) FROM usage_ledger GROUP BY 1"))
@@ -279,6 +359,7 @@ async def main() -> None:
             print("shipping (gateway.billing.ledger.ship_lines, the BillingActor's batch insert):")
             await ship_throughput(conn, keys, batches=20, size=500)
             await ship_throughput(conn, keys, batches=4, size=5000)
+            await blocks_cost(conn, keys)
         finally:
             await conn.close()
     finally:

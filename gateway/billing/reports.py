@@ -40,6 +40,7 @@ __all__ = [
     "format_table",
     "parse_time",
     "query_from_params",
+    "report_statement",
     "usage_report",
 ]
 
@@ -366,8 +367,8 @@ def _from_days(sql: _Sql, query: UsageQuery, filters: list[str]) -> None:
                      [*filters, f"hour >= {sql.arg(hours[0])}", f"hour < {sql.arg(hours[1])}"])
 
 
-async def usage_report(conn: asyncpg.Connection | asyncpg.Pool, query: UsageQuery) -> UsageReport:
-    """Run ``query``: one SQL statement over the rollups and the ledger's edges.
+def report_statement(query: UsageQuery) -> tuple[str, list[Any]]:
+    """The one SQL statement (and its arguments) that answers ``query``.
 
     Reports by key or subject read ``usage_key_blocks``; by model, provider or day,
     ``usage_model_blocks``, unless filtered by a key or subject (that table has neither):
@@ -397,7 +398,14 @@ async def usage_report(conn: asyncpg.Connection | asyncpg.Pool, query: UsageQuer
         {'LEFT JOIN api_keys k ON k.api_key_id = p.g' if by_key else ''}
         GROUP BY p.g{', k.key_prefix, k.name' if by_key else ''}
         ORDER BY {order}"""
-    rows = await conn.fetch(statement, *sql.args)
+    return statement, sql.args
+
+
+async def usage_report(conn: asyncpg.Connection | asyncpg.Pool, query: UsageQuery) -> UsageReport:
+    """Run ``query``: one SQL statement over the rollups and the ledger's edges."""
+    statement, args = report_statement(query)
+    rows = await conn.fetch(statement, *args)
+    by_key = query.group_by == "key"
     return UsageReport(query=query, rows=tuple(
         UsageRow(
             group=r["g"],
