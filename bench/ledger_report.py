@@ -117,9 +117,11 @@ async def fill(conn: asyncpg.Connection, rows: int, days: int, n_keys: int, batc
     now = datetime.now(timezone.utc)
     for done in range(0, rows, batch):
         count = min(batch, rows - done)
-        # Keys by a Zipf-like law (key i with weight ~1/(i+1): a few keys do most calls),
-        # times uniform over the days, 2 % provider errors and 0.5 % rate limits (no
-        # tokens, no cost), 60 % streamed; the Venice model's calls carry a diem cost.
+        # Keys by a Zipf-like law (key i with weight ~1/(i+1): a few keys do most calls);
+        # times uniform over the days and rising with insertion, as calls reach a real
+        # ledger (so an hour's rows sit together on disk, as they do there); 2 % provider
+        # errors and 0.5 % rate limits (no tokens, no cost), 60 % streamed; the Venice
+        # model's calls carry a diem cost.
         await conn.execute(
             f"""
             INSERT INTO usage_ledger ({", ".join(FILL_COLUMNS)})
@@ -139,7 +141,7 @@ async def fill(conn: asyncpg.Connection, rows: int, days: int, n_keys: int, batc
                          random() AS model_pick, random() AS u,
                          CASE WHEN random() < 0.975 THEN 200 WHEN random() < 0.8 THEN 502 ELSE 429 END AS status,
                          random() < 0.6 AS streamed,
-                         $3::timestamptz - make_interval(secs => random() * $2) AS created_at,
+                         $3::timestamptz - make_interval(secs => $2 * (1 - (g + random()) / $7)) AS created_at,
                          5 + floor(random() * 1996)::int AS prompt, floor(random() * 1501)::int AS completion
                   FROM generate_series($5::bigint, $6::bigint) AS g) r
             JOIN bench_keys k ON k.idx = r.key_idx
@@ -150,7 +152,7 @@ async def fill(conn: asyncpg.Connection, rows: int, days: int, n_keys: int, batc
                      CASE WHEN r.status = 200 THEN (r.prompt * 3 + r.completion * 15)::numeric / 1000000 ELSE 0 END AS cost
             ) t
             """,
-            n_keys, float(days * 86400), now, uuid.uuid4().hex, done, done + count - 1,
+            n_keys, float(days * 86400), now, uuid.uuid4().hex, done, done + count - 1, float(rows),
         )
         print(f"\r  filled {done + count:>11,} rows ({time.perf_counter() - start:.0f} s)", end="", flush=True)
     filled = time.perf_counter() - start

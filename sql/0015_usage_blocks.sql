@@ -31,7 +31,7 @@ CREATE TABLE usage_key_blocks
   , cost_usd numeric(24, 10) NOT NULL
   , cost_diem numeric(24, 10) NOT NULL
   , PRIMARY KEY (span_hours, block_start, api_key_id, subject_id)
-  );
+  ) PARTITION BY LIST (span_hours);
 
 CREATE TABLE usage_model_blocks
   ( span_hours integer NOT NULL
@@ -45,7 +45,24 @@ CREATE TABLE usage_model_blocks
   , cost_usd numeric(24, 10) NOT NULL
   , cost_diem numeric(24, 10) NOT NULL
   , PRIMARY KEY (span_hours, block_start, model, provider)
-  );
+  ) PARTITION BY LIST (span_hours);
+
+-- One partition per span: rows land in a span's partition in the order their blocks
+-- begin (the trigger adds to the current blocks), so one block's rows sit on few pages
+-- and a report reads few pages per block. Room left on each page keeps the updates that
+-- add a batch to a row on its page (HOT), where it was.
+DO $$
+DECLARE
+  span integer;
+BEGIN
+  FOREACH span IN ARRAY usage_block_spans() LOOP
+    EXECUTE format('CREATE TABLE usage_key_blocks_%s PARTITION OF usage_key_blocks FOR VALUES IN (%s)'
+                   ' WITH (fillfactor = 70)', span, span);
+    EXECUTE format('CREATE TABLE usage_model_blocks_%s PARTITION OF usage_model_blocks FOR VALUES IN (%s)'
+                   ' WITH (fillfactor = 70)', span, span);
+  END LOOP;
+END;
+$$;
 
 CREATE FUNCTION usage_ledger_blocks() RETURNS trigger
 LANGUAGE plpgsql AS $$
@@ -88,7 +105,8 @@ END;
 $$;
 
 -- The block rollups rebuilt from usage_hourly (every block is whole hours), each span
--- from the one below it. Callers hold the ledger still (the migration below by creating
+-- from the one below it, in block order (as the trigger lays them down). Callers hold
+-- the ledger still (the migration below by creating
 -- its trigger, usage_rollups_rebuild by a lock).
 CREATE FUNCTION usage_blocks_rebuild() RETURNS void
 LANGUAGE plpgsql AS $$
@@ -102,13 +120,13 @@ BEGIN
      completion_tokens, cost_usd, cost_diem)
   SELECT 1, hour, api_key_id, subject_id, sum(requests), sum(errors), sum(prompt_tokens),
          sum(completion_tokens), sum(cost_usd), sum(cost_diem)
-  FROM usage_hourly GROUP BY 2, 3, 4;
+  FROM usage_hourly GROUP BY 2, 3, 4 ORDER BY 2, 3, 4;
   INSERT INTO usage_model_blocks
     (span_hours, block_start, model, provider, requests, errors, prompt_tokens,
      completion_tokens, cost_usd, cost_diem)
   SELECT 1, hour, model, provider, sum(requests), sum(errors), sum(prompt_tokens),
          sum(completion_tokens), sum(cost_usd), sum(cost_diem)
-  FROM usage_hourly GROUP BY 2, 3, 4;
+  FROM usage_hourly GROUP BY 2, 3, 4 ORDER BY 2, 3, 4;
   FOR i IN 2 .. array_length(spans, 1) LOOP
     INSERT INTO usage_key_blocks
       (span_hours, block_start, api_key_id, subject_id, requests, errors, prompt_tokens,
@@ -116,14 +134,14 @@ BEGIN
     SELECT spans[i], date_bin(make_interval(hours => spans[i]), block_start, TIMESTAMPTZ '1970-01-01 00:00:00+00'),
            api_key_id, subject_id, sum(requests), sum(errors), sum(prompt_tokens),
            sum(completion_tokens), sum(cost_usd), sum(cost_diem)
-    FROM usage_key_blocks WHERE span_hours = spans[i - 1] GROUP BY 2, 3, 4;
+    FROM usage_key_blocks WHERE span_hours = spans[i - 1] GROUP BY 2, 3, 4 ORDER BY 2, 3, 4;
     INSERT INTO usage_model_blocks
       (span_hours, block_start, model, provider, requests, errors, prompt_tokens,
        completion_tokens, cost_usd, cost_diem)
     SELECT spans[i], date_bin(make_interval(hours => spans[i]), block_start, TIMESTAMPTZ '1970-01-01 00:00:00+00'),
            model, provider, sum(requests), sum(errors), sum(prompt_tokens),
            sum(completion_tokens), sum(cost_usd), sum(cost_diem)
-    FROM usage_model_blocks WHERE span_hours = spans[i - 1] GROUP BY 2, 3, 4;
+    FROM usage_model_blocks WHERE span_hours = spans[i - 1] GROUP BY 2, 3, 4 ORDER BY 2, 3, 4;
   END LOOP;
 END;
 $$;

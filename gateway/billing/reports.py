@@ -68,9 +68,8 @@ _GROUP_EXPRESSIONS: dict[str, dict[str, str]] = {
 }
 _HOUR = timedelta(hours=1)
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
-_SUMS = """sum(requests) AS requests, sum(errors) AS errors, sum(prompt_tokens) AS prompt_tokens,
-           sum(completion_tokens) AS completion_tokens, sum(cost_usd) AS cost_usd,
-           sum(cost_diem) AS cost_diem"""
+#: A rollup's rows pass through as they are; the one aggregate over every part sums them.
+_ROLLUP_COLUMNS = "requests, errors, prompt_tokens, completion_tokens, cost_usd, cost_diem"
 _LEDGER_SUMS = """count(*) AS requests, count(*) FILTER (WHERE status >= 400) AS errors,
            sum(prompt_tokens) AS prompt_tokens, sum(completion_tokens) AS completion_tokens,
            sum(cost_usd) AS cost_usd, coalesce(sum(cost_diem), 0) AS cost_diem"""
@@ -311,9 +310,10 @@ class _Sql:
         self.args.append(value)
         return f"${len(self.args)}"
 
-    def part(self, group: str, source: str, conds: list[str], *, sums: str = _SUMS, join: str = "") -> None:
+    def part(self, group: str, source: str, conds: list[str]) -> None:
+        """A rollup's rows in the range (each already a total)."""
         where = f"WHERE {' AND '.join(conds)}" if conds else ""
-        self.parts.append(f"SELECT {group} AS g, {sums} FROM {source} {join} {where} GROUP BY 1")
+        self.parts.append(f"SELECT {group} AS g, {_ROLLUP_COLUMNS} FROM {source} {where}")
 
     def ledger(self, group: str, filters: list[str], start: datetime | None, end: datetime | None) -> None:
         conds = list(filters)
@@ -321,21 +321,23 @@ class _Sql:
             conds.append(f"created_at >= {self.arg(start)}")
         if end is not None:
             conds.append(f"created_at < {self.arg(end)}")
-        self.part(group, "usage_ledger", conds, sums=_LEDGER_SUMS)
+        where = f"WHERE {' AND '.join(conds)}" if conds else ""
+        self.parts.append(f"SELECT {group} AS g, {_LEDGER_SUMS} FROM usage_ledger {where} GROUP BY 1")
 
 
 def _from_blocks(sql: _Sql, query: UsageQuery, table: str, filters: list[str]) -> None:
     """The parts reading a block rollup (and the ledger's partial hours at the ends)."""
     exprs = _GROUP_EXPRESSIONS[query.group_by]
     plan = block_plan(query.since, query.until, max_span=24 if query.group_by == "day" else BLOCK_SPANS[-1])
-    if plan.blocks:
-        spans = sql.arg([span for span, _ in plan.blocks])
-        starts = sql.arg([start for _, start in plan.blocks])
-        sql.part(exprs["blocks"], f"unnest({spans}::integer[], {starts}::timestamptz[]) AS x (span_hours, block_start)",
-                 filters, join=f"JOIN {table} USING (span_hours, block_start)")
+    starts: dict[int, list[datetime]] = {}
+    for span, start in plan.blocks:
+        starts.setdefault(span, []).append(start)
+    for span, of_span in sorted(starts.items()):  # a constant span: one partition, planned
+        sql.part(exprs["blocks"], table,
+                 [*filters, f"span_hours = {int(span)}", f"block_start = ANY({sql.arg(of_span)}::timestamptz[])"])
     if plan.open_range is not None:
         lower, upper = plan.open_range
-        conds = [*filters, f"span_hours = {sql.arg(plan.top)}"]
+        conds = [*filters, f"span_hours = {int(plan.top)}"]
         if lower is not None:
             conds.append(f"block_start >= {sql.arg(lower)}")
         if upper is not None:
@@ -386,17 +388,19 @@ def report_statement(query: UsageQuery) -> tuple[str, list[Any]]:
     else:
         _from_days(sql, query, filters)
     by_key = query.group_by == "key"
-    order = "p.g" if query.group_by == "day" else "sum(p.cost_usd) DESC, sum(p.requests) DESC, p.g::text"
+    order = "t.g" if query.group_by == "day" else "t.cost_usd DESC, t.requests DESC, t.g::text"
+    # Summed once over every part, then named: the key join sees one row per key.
     statement = f"""
-        WITH parts AS ({' UNION ALL '.join(sql.parts)})
-        SELECT p.g::text AS g, sum(p.requests)::bigint AS requests, sum(p.errors)::bigint AS errors,
-               sum(p.prompt_tokens)::bigint AS prompt_tokens,
-               sum(p.completion_tokens)::bigint AS completion_tokens,
-               sum(p.cost_usd) AS cost_usd, sum(p.cost_diem) AS cost_diem
+        WITH parts AS ({' UNION ALL '.join(sql.parts)}),
+        totals AS (
+          SELECT g, sum(requests)::bigint AS requests, sum(errors)::bigint AS errors,
+                 sum(prompt_tokens)::bigint AS prompt_tokens, sum(completion_tokens)::bigint AS completion_tokens,
+                 sum(cost_usd) AS cost_usd, sum(cost_diem) AS cost_diem
+          FROM parts GROUP BY g)
+        SELECT t.g::text AS g, t.requests, t.errors, t.prompt_tokens, t.completion_tokens, t.cost_usd, t.cost_diem
                {', k.key_prefix, k.name AS key_name' if by_key else ''}
-        FROM parts p
-        {'LEFT JOIN api_keys k ON k.api_key_id = p.g' if by_key else ''}
-        GROUP BY p.g{', k.key_prefix, k.name' if by_key else ''}
+        FROM totals t
+        {'LEFT JOIN api_keys k ON k.api_key_id = t.g' if by_key else ''}
         ORDER BY {order}"""
     return statement, sql.args
 
