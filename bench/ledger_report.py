@@ -290,7 +290,13 @@ async def reports(conn: asyncpg.Connection, keys: list[tuple[uuid.UUID, uuid.UUI
             table[group, name] = (await server_ms(conn, query), client)
             print(f"  {'':<58} server {table[group, name][0]:8.1f} ms")
     top_key, top_subject = keys[0]
+    # Edges at 00:30 and 23:30: five hour blocks and a partial hour at each end, the
+    # most a 30-day range reads.
+    midnight = (now - timedelta(days=32)).replace(hour=0, minute=0, second=0, microsecond=0)
+    worst = (midnight + timedelta(minutes=30), midnight + timedelta(days=29, hours=23, minutes=30))
     for label, query in [
+        ("group by key, 30 days, edges at 00:30 and 23:30", UsageQuery(group_by="key", since=worst[0], until=worst[1])),
+        ("group by subject, 30 days, edges at 00:30 and 23:30", UsageQuery(group_by="subject", since=worst[0], until=worst[1])),
         ("group by model, last 7 days", UsageQuery(group_by="model", since=now - timedelta(days=7) + odd, until=now)),
         ("group by model, one busy key, last 30 days", UsageQuery(group_by="model", api_key_id=top_key, since=ranges["last 30 days"][0], until=now)),
         ("group by day, one busy key, all time", UsageQuery(group_by="day", api_key_id=top_key)),
