@@ -276,7 +276,8 @@ async def server_ms(conn: asyncpg.Connection, query: UsageQuery, runs: int = 5) 
 async def reports(conn: asyncpg.Connection, keys: list[tuple[uuid.UUID, uuid.UUID]], now: datetime, odd: timedelta) -> None:
     """Every grouping over the three ranges of the target, then a few more shapes; ends
     with the Markdown table docs/billing.md carries (server and client medians, ms)."""
-    print("reports (gateway.billing.reports.usage_report), client-side median / server median:")
+    print(f"reports (gateway.billing.reports.usage_report), client-side median / server median; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs:")
     ranges = {
         "last 30 days": (now - timedelta(days=30) + odd, now),
         "30 days ending 40 days ago": (now - timedelta(days=70) + odd, now - timedelta(days=40) + odd),
@@ -310,7 +311,7 @@ async def reports(conn: asyncpg.Connection, keys: list[tuple[uuid.UUID, uuid.UUI
     for group in GROUPS:
         cells = [f"{table[group, name][0]:.1f} ({table[group, name][1]:.1f})" for name in ranges]
         print(f"| {group} | " + " | ".join(cells) + " |")
-    print("(server ms, client-side ms in brackets; medians of 5)\n")
+    print(f"(server ms, client-side ms in brackets; medians of 5; load average now {os.getloadavg()[0]:.1f})\n")
 
 
 async def main() -> None:
