@@ -79,7 +79,7 @@ async def timed(label: str, action: Callable[[], Awaitable[Any]], runs: int = 5)
 
 async def fill(conn: asyncpg.Connection, rows: int, days: int, n_keys: int, batch: int) -> list[tuple[uuid.UUID, uuid.UUID]]:
     """Fill the ledger set-based: one ``INSERT ... SELECT FROM generate_series`` per
-    ``batch`` rows, with the rollup trigger disabled and the ledger's indexes dropped,
+    ``batch`` rows, with the ledger's triggers disabled and its indexes dropped,
     then the indexes rebuilt and every rollup built from the ledger in one statement each
     (what the migrations' backfills do). Returns the keys (id, subject), busiest first."""
     rng = random.Random(42)
