@@ -209,9 +209,10 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
         record.error_type = exc.error_code
         raise
     finally:
-        record.latency = time.monotonic() - started
-        record.cache = None if cache is None else cache.status
-        _finish(state, record)
+        if not record.finished:  # a complete stream has finished its record already
+            record.latency = time.monotonic() - started
+            record.cache = None if cache is None else cache.status
+            _finish(state, record)
         state.billing.settle(reservation, record)  # budget hook: release at the real cost
         telemetry.end_call(request, observed, record)
 
@@ -265,6 +266,9 @@ def _record_refusal(
 
 
 def _finish(state: GatewayState, record: CallRecord) -> None:
+    """The record is final: its cost settled, the call listeners told (billing journals
+    it before this returns)."""
+    record.finished = True
     settle_cost(record)  # once, so billing, metrics and logs see the same cost
     for listener in state.call_listeners:
         try:
@@ -345,6 +349,23 @@ async def _stream(
     storable = cache is not None and reply.wire == "chat"
     response = web.StreamResponse(status=200, headers=SSE_HEADERS if cache is None else {
         **SSE_HEADERS, **cache.headers()})
+    concluded = False
+
+    def conclude() -> None:
+        """Fill the record from the relay (once), and store a complete stream in the cache."""
+        nonlocal concluded
+        if concluded:
+            return
+        concluded = True
+        relay.settle(record, started, prompt_estimate)
+        if screen is not None:
+            record.guardrails += tuple((d.policy, d.action, d.direction) for d in screen.decisions())
+        if storable and cache is not None and relay.done:
+            cache.store_stream(record)
+
+    #: What the upstream's last event(s) became: the stream's end marker, held back until
+    #: the call's record is in the journal.
+    ending: list[bytes] = []
     try:
         await response.prepare(request)
         async for event in reply.events:
@@ -354,9 +375,24 @@ async def _stream(
                 cache.collect(event)  # as the provider sent it (bar redactions): stored once complete
             out = relay.feed(event)
             if out:
-                await response.write(out)
+                if relay.done:
+                    ending.append(out)
+                else:
+                    await response.write(out)
         if not relay.done:
             raise StreamCut(relay.unfinished)
+        # Complete: journal the call, then send its end, so a crash between the two loses
+        # an answer's end (the client retries) rather than a record of what it was served.
+        await reply.release()
+        conclude()
+        record.latency = time.monotonic() - started
+        record.cache = None if cache is None else cache.status
+        _finish(state, record)
+        if ending:
+            try:
+                await response.write(b"".join(ending))
+            except ConnectionError:
+                pass  # gone before the last bytes: the call was served and is recorded as such
     except GuardrailBlocked as exc:
         # An output policy matched mid-stream: the client gets one error event, never the text.
         record.outcome, record.error_type = "blocked", exc.error_code
@@ -392,11 +428,7 @@ async def _stream(
             pass
     finally:
         await reply.release()
-        relay.settle(record, started, prompt_estimate)
-        if screen is not None:
-            record.guardrails += tuple((d.policy, d.action, d.direction) for d in screen.decisions())
-        if storable and cache is not None and relay.done:
-            cache.store_stream(record)
+        conclude()
     return response
 
 
