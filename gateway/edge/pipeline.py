@@ -40,6 +40,7 @@ from gateway.core.usage import CallRecord, Usage, usage_from_answer
 from gateway.edge import telemetry
 from gateway.edge.dispatch import NativeCall, dispatch
 from gateway.edge.ratelimit import admit
+from gateway.edge.relays import StreamCut, StreamRelay
 from gateway.guardrails.engine import GuardrailEngine
 from gateway.guardrails.policies import Decision
 from gateway.guardrails.relays import stream_guard
@@ -54,7 +55,7 @@ from gateway.relay.routing import Route, Target
 if TYPE_CHECKING:
     from actors.auth import VerifiedKey
 
-__all__ = ["SSE_HEADERS", "Inbound", "Parsed", "StreamCut", "StreamRelay", "serve"]
+__all__ = ["SSE_HEADERS", "Inbound", "Parsed", "serve"]
 
 log = logging.getLogger("gateway.chat")
 
@@ -80,36 +81,6 @@ class Parsed:
     native: NativeCall | None = None
     #: The client asked for a stream's usage (chat's ``stream_options.include_usage``).
     wants_usage: bool = False
-
-
-class StreamCut(Exception):
-    """The stream ended before its end marker, or sent something it must not."""
-
-
-class StreamRelay:
-    """One stream's relay in one protocol: what each upstream event becomes for the
-    client, whether the stream completed, and what the record learns from it."""
-
-    #: The client has been told of the failure already (an upstream error event relayed).
-    told: bool = False
-    #: Why a stream that ended without its end marker failed.
-    unfinished: ClassVar[str] = "upstream closed the stream before its end"
-
-    def feed(self, event: bytes) -> bytes | None:
-        """What to write for one upstream event (None: nothing); raises StreamCut/StreamBroken."""
-        raise NotImplementedError
-
-    @property
-    def done(self) -> bool:
-        raise NotImplementedError
-
-    def error_event(self, error: GatewayError) -> bytes:
-        """The one event telling the client why its stream ends."""
-        raise NotImplementedError
-
-    def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
-        """Fill the record from what was relayed (ids, finish reasons, usage, ttft)."""
-        raise NotImplementedError
 
 
 class Inbound:

@@ -32,16 +32,15 @@ from aiohttp import web
 from gateway.core.errors import GatewayError, InvalidRequest, NotFound, UpstreamUnavailable
 from gateway.core.usage import CallRecord, StreamTap, Usage
 from gateway.edge import telemetry
-from gateway.edge.chat import settle_from_tap
 from gateway.edge.dispatch import NativeCall
-from gateway.edge.pipeline import Inbound, Parsed, StreamCut, StreamRelay, serve
+from gateway.edge.pipeline import Inbound, Parsed, serve
 from gateway.edge.ratelimit import admit
+from gateway.edge.relays import StreamRelay, TapRelay
 from gateway.edge.response_store import ResponseStore, StoredResponse
 from gateway.http.bodies import bearer_token
 from gateway.http.state import STATE, GatewayState
 from gateway.protocols.responses import input_items, new_id, to_chat_request, to_response
 from gateway.protocols.responses_stream import EventsFromChunks, NativeEventsTap, failed_event
-from gateway.protocols.sse import event_data
 from gateway.providers.base import UpstreamReply
 
 if TYPE_CHECKING:
@@ -115,30 +114,21 @@ def _replayed(stored: StoredResponse) -> list[dict[str, Any]]:
         output, list) else []
 
 
-class _ResponsesRelay(StreamRelay):
+class _ResponsesRelay(TapRelay):
     """A chat deployment's chunks, re-framed as the Responses API's typed events."""
 
-    unfinished = "upstream closed the stream before [DONE]"
-
     def __init__(self, tap: StreamTap, framer: EventsFromChunks, call: _Call, prompt_estimate: int) -> None:
-        self.tap = tap
+        super().__init__(tap)
         self.framer = framer
         self.call = call
         self.prompt_estimate = prompt_estimate
 
-    def feed(self, event: bytes) -> bytes | None:
-        data = event_data(event)
-        if data is None:
-            return None
-        if not self.tap.inspect(data):
-            if self.tap.malformed:
-                raise StreamCut("upstream sent an event that is not JSON")
-            return None
-        if data == b"[DONE]":
-            usage = self.tap.final_usage(self.prompt_estimate)
-            return self.framer.finish({"prompt_tokens": usage.prompt_tokens,
-                                       "completion_tokens": usage.completion_tokens})
+    def chunk(self, event: bytes, data: bytes) -> bytes | None:
         return self.framer.feed(data) or None
+
+    def end(self, event: bytes) -> bytes | None:
+        usage = self.tap.final_usage(self.prompt_estimate)
+        return self.framer.finish({"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens})
 
     @property
     def done(self) -> bool:
@@ -148,7 +138,7 @@ class _ResponsesRelay(StreamRelay):
         return self.framer.failed(error.error_code or error.type, error.message)
 
     def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
-        settle_from_tap(self.tap, record, started, prompt_estimate)
+        super().settle(record, started, prompt_estimate)
         if self.framer.finished and self.framer.response is not None:
             self.call.keep(self.framer.response)
 
