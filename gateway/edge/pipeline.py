@@ -143,7 +143,7 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
             _record_refusal(state, request, protocol, key.api_key_id, key.subject_id, parsed, exc)
             raise
         body = parsed.body
-    cache = None if state.cache is None or not protocol.cacheable else state.cache.ticket(
+    cache = None if state.cache is None or not _cacheable(protocol, parsed) else state.cache.ticket(
         route.group.name, model, body, key.api_key_id, key.subject_id, request.headers
     )
     record = CallRecord(
@@ -217,9 +217,18 @@ async def _replay_in(
     except ConnectionError:
         record.outcome = "cancelled"
     relay.settle(record, started, prompt_estimate)
-    # Tokens say what was served; the provider was not called, so nothing was spent.
+    # As on chat's hits: no provider was called, so there is no time to first token, and
+    # the tokens say what was served (nothing was spent).
+    record.ttft = None
     record.usage = Usage(entry.prompt_tokens, entry.completion_tokens, cost_usd=0.0)
     return response
+
+
+def _cacheable(protocol: Inbound, parsed: Parsed) -> bool:
+    """Whether the response cache may serve this call. A request the chat shape cannot carry
+    (``native.chat_error``: only a deployment speaking the client's protocol can take it)
+    is not: its chat body is a placeholder, not the request, and a native answer is not kept."""
+    return protocol.cacheable and (parsed.native is None or parsed.native.chat_error is None)
 
 
 def _record_refusal(

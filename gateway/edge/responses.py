@@ -14,7 +14,12 @@ with ``previous_response_id`` is sent upstream with the earlier input, the earli
 output and the new input, in order; an id unknown to the caller's subject is 400
 ``previous_response_not_found``. ``GET`` and ``DELETE /v1/responses/{id}`` and
 ``GET /v1/responses/{id}/input_items`` read the store; another subject's id is 404.
-The response cache does not serve this route (its entries are chat answers).
+
+The response cache serves this route under chat's rules (docs/cache.md): its key is the
+chat request sent upstream, so a follow-up is keyed on its whole rebuilt conversation
+(the stored history included), never on the ``previous_response_id`` itself. A hit is
+rendered as a new response (a fresh id and ``created_at``) and, with ``store`` true,
+stored like a live answer, so it can be retrieved and continued from.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ class _Call:
     #: The whole input the response answers, earlier turns first (as stored and listed).
     conversation: list[dict[str, Any]]
     store: bool
+    #: When the gateway made this response (a cache hit is a new response too).
+    created_at: int = field(default_factory=lambda: int(time.time()))
     subject_id: uuid.UUID | None = None
     api_key_id: uuid.UUID | None = None
     saver: ResponseStore | None = field(default=None, repr=False)
@@ -195,7 +202,7 @@ class OpenAIResponses(Inbound):
     """OpenAI's Responses API over chat deployments, with stored conversations."""
 
     name: ClassVar[str] = "responses"
-    cacheable: ClassVar[bool] = False
+    cacheable: ClassVar[bool] = True
     prepares: ClassVar[bool] = True
 
     def parse(self, body: dict[str, Any], request: web.Request) -> Parsed:
@@ -241,7 +248,7 @@ class OpenAIResponses(Inbound):
         if answer is None or not isinstance(answer.get("choices"), list):
             raise UpstreamUnavailable("upstream answered something other than a chat completion")
         call = _call_of(parsed)
-        response = to_response(answer, call.body, call.response_id, model=parsed.model)
+        response = to_response(answer, call.body, call.response_id, model=parsed.model, created_at=call.created_at)
         call.keep(response)
         return web.Response(status=200, body=orjson.dumps(response), headers=_JSON)
 
@@ -274,7 +281,7 @@ class OpenAIResponses(Inbound):
         call = _call_of(parsed)
         if reply.wire != "chat":
             return _NativeRelay(call)
-        framer = EventsFromChunks(call.response_id, call.body, model=parsed.model)
+        framer = EventsFromChunks(call.response_id, call.body, model=parsed.model, created_at=call.created_at)
         return _ResponsesRelay(StreamTap(client_wants_usage=True, keep_text=keep_text), framer, call,
                                prompt_estimate)
 
