@@ -38,7 +38,7 @@ from gateway.edge import telemetry
 from gateway.edge.dispatch import NativeCall, timeouts_for
 from gateway.edge.pipeline import Inbound, Parsed, serve
 from gateway.edge.ratelimit import admit
-from gateway.edge.relays import StreamRelay, TapRelay
+from gateway.edge.relays import StreamRelay, TapRelay, settle_native
 from gateway.http.bodies import bearer_token, read_json_body
 from gateway.http.errors import anthropic_error_event, anthropic_status
 from gateway.http.state import STATE
@@ -166,16 +166,11 @@ class _NativeRelay(StreamRelay):
 
     def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
         tap = self.tap
-        if tap.first_event_at is not None:
-            record.ttft = tap.first_event_at - started
+        settle_native(record, started, prompt_estimate, first_event_at=tap.first_event_at, events=tap.chunks,
+                      usage=tap.usage(), error=None if tap.error is None else tap.error.split(":", 1)[0])
         record.response_id = tap.response_id
         record.served_model = tap.model or record.served_model
         record.finish_reasons = (tap.finish_reason,) if tap.finish_reason else ()
-        record.chunks = tap.chunks
-        usage = tap.usage()
-        record.usage = usage if usage is not None else Usage(prompt_tokens=prompt_estimate, estimated=True)
-        if tap.error is not None:
-            record.error_type = tap.error.split(":", 1)[0][:64]
 
 
 class AnthropicMessages(Inbound):

@@ -8,7 +8,9 @@ every client: each ``data:`` payload goes through a :class:`~gateway.core.usage.
 (ids, finish reasons, usage, the usage-only chunk a client did not ask for), a payload
 that is not JSON cuts the stream, and ``[DONE]`` ends it. What differs per protocol is
 only what a chunk and the end become for the client: :meth:`TapRelay.chunk` and
-:meth:`TapRelay.end`.
+:meth:`TapRelay.end`. A stream relayed in the deployment's own protocol (Anthropic's,
+the Responses API's) is read by that protocol's tap instead; :func:`settle_native` is
+what those relays record alike.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from __future__ import annotations
 from typing import ClassVar
 
 from gateway.core.errors import GatewayError
-from gateway.core.usage import CallRecord, StreamTap
+from gateway.core.usage import CallRecord, StreamTap, Usage
 from gateway.http.errors import error_event
 from gateway.protocols.sse import event_data
 
-__all__ = ["StreamCut", "StreamRelay", "TapRelay", "settle_from_tap"]
+__all__ = ["StreamCut", "StreamRelay", "TapRelay", "settle_from_tap", "settle_native"]
 
 
 class StreamCut(Exception):
@@ -64,6 +66,21 @@ def settle_from_tap(tap: StreamTap, record: CallRecord, started: float, prompt_e
     record.usage = tap.final_usage(prompt_estimate)
     record.chunks = tap.chunks
     record.completion = tap.kept_text()
+
+
+def settle_native(
+    record: CallRecord, started: float, prompt_estimate: int, *, first_event_at: float | None, events: int,
+    usage: Usage | None, error: str | None,
+) -> None:
+    """Fill the record from a stream relayed in the deployment's own protocol (what every
+    native relay's tap learns alike): ttft, events, usage (reported, else the prompt's
+    estimate), and the deployment's own error, if it sent one."""
+    if first_event_at is not None:
+        record.ttft = first_event_at - started
+    record.chunks = events
+    record.usage = usage if usage is not None else Usage(prompt_tokens=prompt_estimate, estimated=True)
+    if error is not None:
+        record.error_type = error[:64]
 
 
 class TapRelay(StreamRelay):

@@ -40,7 +40,7 @@ from gateway.edge import telemetry
 from gateway.edge.dispatch import NativeCall
 from gateway.edge.pipeline import Inbound, Parsed, serve
 from gateway.edge.ratelimit import admit
-from gateway.edge.relays import StreamRelay, TapRelay
+from gateway.edge.relays import StreamRelay, TapRelay, settle_native
 from gateway.edge.response_store import ResponseStore, StoredResponse
 from gateway.http.bodies import bearer_token
 from gateway.http.state import STATE, GatewayState
@@ -174,19 +174,13 @@ class _NativeRelay(StreamRelay):
                             error.error_code or error.type, error.message)
 
     def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
-        tap = self.tap
-        if tap.first_event_at is not None:
-            record.ttft = tap.first_event_at - started
-        record.chunks = tap.events
-        response = tap.response
-        usage = _usage_of(response)
-        record.usage = usage if usage is not None else Usage(prompt_tokens=prompt_estimate, estimated=True)
+        tap, response = self.tap, self.tap.response
+        settle_native(record, started, prompt_estimate, first_event_at=tap.first_event_at, events=tap.events,
+                      usage=_usage_of(response), error=tap.error)
         record.response_id = tap.upstream_id
         if response is not None:
             record.served_model = response.get("model") or record.served_model
             self.call.keep(response)
-        if tap.error is not None:
-            record.error_type = tap.error[:64]
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
