@@ -16,6 +16,7 @@ from tests.cache_helpers import cached_config, settle, upstream_calls
 from tests.conftest import FakeUpstream, Gateway
 from tests.fleet import fleet_config
 from tests.test_metrics import scrape, total, value
+from tests.test_responses import WEATHER
 
 
 def client(gw: Gateway, key: str) -> openai.AsyncOpenAI:
@@ -91,6 +92,13 @@ async def test_only_what_chat_would_cache_is_cached(gateway_factory: Any, fake: 
     status, _ = await create(api, input="shared question", max_output_tokens=40)  # another request
     assert status == "miss"
     assert await upstream_calls(fake) == 4
+    # A group without a cache policy: the client opts in per request, as on chat.
+    opt_in = {"x-gateway-cache": "use"}
+    assert (await create(api, model="gpt-x", input="opted in"))[0] is None
+    assert (await create(api, model="gpt-x", input="opted in", extra_headers=opt_in))[0] == "miss"
+    await settle(gw, 3)
+    assert (await create(api, model="gpt-x", input="opted in", extra_headers=opt_in))[0] == "hit"
+    assert await upstream_calls(fake) == 6
 
 
 async def test_a_streamed_hit_is_the_typed_events_of_a_new_response(
@@ -232,3 +240,25 @@ async def test_a_request_only_a_native_deployment_can_take_is_not_cached(
     assert (await create(api, input="plain question"))[0] == "miss"
     await settle(gw, 1)
     assert (await create(api, input="plain question"))[0] == "hit"
+
+
+async def test_a_tool_call_hit_can_be_answered_and_continued(
+    gateway_factory: Any, fake: FakeUpstream, api_key: str
+) -> None:
+    gw: Gateway = await gateway_factory(config_yaml=cached_config(fake.url))
+    api = client(gw, api_key)
+    _, live = await create(api, input="Weather in Paris?", tools=[WEATHER])
+    await settle(gw, 1)
+    status, hit = await create(api, input="Weather in Paris?", tools=[WEATHER])
+    assert status == "hit" and await upstream_calls(fake) == 1
+    call, was = hit.output[0], live.output[0]
+    assert call.type == was.type == "function_call" and call.name == "get_weather"
+    assert (call.call_id, call.arguments) == (was.call_id, was.arguments)  # type: ignore[union-attr]
+    # The agent answers the call, continuing from the hit's stored response.
+    follow = await api.responses.create(model="cached", previous_response_id=hit.id, tools=[WEATHER],  # type: ignore[list-item]
+                                        input=[{"type": "function_call_output", "call_id": call.call_id,
+                                                "output": "sunny"}])
+    assert follow.previous_response_id == hit.id and follow.output_text
+    sent = (await fake.stats())["last_request"]["body"]["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant", "tool"]
+    assert sent[1]["tool_calls"][0]["id"] == call.call_id and sent[2]["tool_call_id"] == call.call_id
