@@ -40,6 +40,7 @@ from gateway.core.usage import CallRecord, Usage, usage_from_answer
 from gateway.edge import telemetry
 from gateway.edge.dispatch import NativeCall, dispatch
 from gateway.edge.ratelimit import admit
+from gateway.edge.relays import StreamCut, StreamRelay
 from gateway.guardrails.engine import GuardrailEngine
 from gateway.guardrails.policies import Decision
 from gateway.guardrails.relays import stream_guard
@@ -54,7 +55,7 @@ from gateway.relay.routing import Route, Target
 if TYPE_CHECKING:
     from actors.auth import VerifiedKey
 
-__all__ = ["SSE_HEADERS", "Inbound", "Parsed", "StreamCut", "StreamRelay", "serve"]
+__all__ = ["SSE_HEADERS", "Inbound", "Parsed", "serve"]
 
 log = logging.getLogger("gateway.chat")
 
@@ -80,36 +81,6 @@ class Parsed:
     native: NativeCall | None = None
     #: The client asked for a stream's usage (chat's ``stream_options.include_usage``).
     wants_usage: bool = False
-
-
-class StreamCut(Exception):
-    """The stream ended before its end marker, or sent something it must not."""
-
-
-class StreamRelay:
-    """One stream's relay in one protocol: what each upstream event becomes for the
-    client, whether the stream completed, and what the record learns from it."""
-
-    #: The client has been told of the failure already (an upstream error event relayed).
-    told: bool = False
-    #: Why a stream that ended without its end marker failed.
-    unfinished: ClassVar[str] = "upstream closed the stream before its end"
-
-    def feed(self, event: bytes) -> bytes | None:
-        """What to write for one upstream event (None: nothing); raises StreamCut/StreamBroken."""
-        raise NotImplementedError
-
-    @property
-    def done(self) -> bool:
-        raise NotImplementedError
-
-    def error_event(self, error: GatewayError) -> bytes:
-        """The one event telling the client why its stream ends."""
-        raise NotImplementedError
-
-    def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
-        """Fill the record from what was relayed (ids, finish reasons, usage, ttft)."""
-        raise NotImplementedError
 
 
 class Inbound:
@@ -172,7 +143,7 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
             _record_refusal(state, request, protocol, key.api_key_id, key.subject_id, parsed, exc)
             raise
         body = parsed.body
-    cache = None if state.cache is None or not protocol.cacheable else state.cache.ticket(
+    cache = None if state.cache is None or not _cacheable(protocol, parsed) else state.cache.ticket(
         route.group.name, model, body, key.api_key_id, key.subject_id, request.headers
     )
     record = CallRecord(
@@ -246,9 +217,18 @@ async def _replay_in(
     except ConnectionError:
         record.outcome = "cancelled"
     relay.settle(record, started, prompt_estimate)
-    # Tokens say what was served; the provider was not called, so nothing was spent.
+    # As on chat's hits: no provider was called, so there is no time to first token, and
+    # the tokens say what was served (nothing was spent).
+    record.ttft = None
     record.usage = Usage(entry.prompt_tokens, entry.completion_tokens, cost_usd=0.0)
     return response
+
+
+def _cacheable(protocol: Inbound, parsed: Parsed) -> bool:
+    """Whether the response cache may serve this call. A request the chat shape cannot carry
+    (``native.chat_error``: only a deployment speaking the client's protocol can take it)
+    is not: its chat body is a placeholder, not the request, and a native answer is not kept."""
+    return protocol.cacheable and (parsed.native is None or parsed.native.chat_error is None)
 
 
 def _record_refusal(
