@@ -45,6 +45,7 @@ from pydantic.dataclasses import dataclass
 from gateway.core.admin_config import AdminSettings, OidcSettings
 from gateway.core.extras import extra_installed
 from gateway.core.guardrail_config import GuardrailSettings
+from gateway.core.request_log_config import RequestLogSettings
 from gateway.core.schema import SHAPE, Number, first_problem, problem, says
 from gateway.core.schema import Section as _Section
 from gateway.core.settings import (
@@ -439,6 +440,7 @@ class GatewayConfig(_Section):
     rate_limits: RateLimitSettings = RateLimitSettings()
     cache: CacheSettings = CacheSettings()
     guardrails: GuardrailSettings = GuardrailSettings()
+    request_logs: RequestLogSettings = RequestLogSettings()
     admin: AdminSettings = AdminSettings()
 
     @classmethod
@@ -447,7 +449,7 @@ class GatewayConfig(_Section):
             raise problem("expected a non-empty mapping", at="providers")
         if not isinstance(data.get("models"), list) or not data["models"]:
             raise problem("expected a non-empty list", at="models")
-        return _drop_nulls(data, "circuit_breaker", "rate_limits", "cache")
+        return _drop_nulls(data, "circuit_breaker", "rate_limits", "cache", "request_logs")
 
     @field_validator("providers", mode="after")
     @classmethod
@@ -487,6 +489,9 @@ def _check_references(config: GatewayConfig) -> None:
     for policy_name, declared in config.guardrails.policies.items():
         if declared.type == "moderation" and declared.model not in names:
             raise ConfigError(f"guardrails.policies.{policy_name}.model: unknown model group {declared.model!r}")
+    for j, group in enumerate(config.request_logs.models):
+        if group not in names:
+            raise ConfigError(f"request_logs.models[{j}]: unknown model group {group!r}")
     for i, m in enumerate(config.models):
         for j, policy in enumerate(m.guardrails):
             if policy not in config.guardrails.policies:

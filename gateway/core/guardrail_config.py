@@ -64,6 +64,9 @@ class GuardrailPolicy(Section):
     model: StrictStr | None = None
     #: hook: ``module:function``.
     hook: StrictStr | None = None
+    #: webhook, moderation, hook on a stream's answer: the text so far is checked again
+    #: each time this many more characters have been relayed, and once before it ends.
+    stream_check_chars: Annotated[StrictInt, Field(ge=1)] = 1000
 
     @model_validator(mode="after")
     def _complete(self) -> GuardrailPolicy:

@@ -23,8 +23,8 @@ Types:
 
 The first three run in the caller's task in microseconds and can follow a stream chunk
 by chunk (:mod:`gateway.guardrails.streams`); the last three wait for I/O and run on the
-whole prompt (and on whole answers; on a stream, once it has ended, where they can only
-log: the text has already been sent).
+whole prompt and whole answers, and on a stream's text so far at intervals, beside the
+stream (:mod:`gateway.guardrails.stream_checks`).
 """
 
 from __future__ import annotations
