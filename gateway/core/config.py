@@ -489,6 +489,8 @@ def _check_references(config: GatewayConfig) -> None:
     for policy_name, declared in config.guardrails.policies.items():
         if declared.type == "moderation" and declared.model not in names:
             raise ConfigError(f"guardrails.policies.{policy_name}.model: unknown model group {declared.model!r}")
+        if declared.type == "presidio" and not extra_installed("presidio"):
+            raise ConfigError(f"guardrails.policies.{policy_name}.type: presidio needs pip install 'llm-gateway[presidio]'")
     for j, group in enumerate(config.request_logs.models):
         if group not in names:
             raise ConfigError(f"request_logs.models[{j}]: unknown model group {group!r}")
