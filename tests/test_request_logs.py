@@ -317,3 +317,104 @@ def test_request_logs_config_is_checked(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as exc:
             load(extra)
         assert message in str(exc.value), (extra, str(exc.value))
+
+
+async def test_a_refused_answer_keeps_no_body_and_a_cut_stream_only_what_the_client_got(
+    gateway_factory: Any, fake12: FakeUpstream, api_key: str
+) -> None:
+    deployment = [{"provider": "fake", "model": "m"}]
+    config = config_for(
+        fake12.url,
+        guardrails={"policies": {"stop-cards": {"type": "pii", "direction": "output", "detectors": ["card_number"]}}},
+        models=[{"name": "strict", "deployments": deployment, "guardrails": ["stop-cards"]}],
+        request_logs={"models": ["strict"]},
+    )
+    gw: Gateway = await gateway_factory(env={"ADMIN_TOKEN": ADMIN_TOKEN}, config_yaml=config)
+    prompt = f"card {CARD} ok"
+    whole_id, _ = await _call(gw, api_key, prompt, model="strict")
+    stream_id, raw = await _call(gw, api_key, prompt, model="strict", stream=True)
+    row = await _stored(gw, whole_id)
+    assert row["status"] == 400 and row["outcome"] == "blocked" and row["response_body"] is None
+    assert row["guardrails"] == "stop-cards:blocked"
+    row = await _stored(gw, stream_id)
+    received = "".join(
+        (c["choices"][0]["delta"].get("content") or "")
+        for c in (orjson.loads(p) for p in sse_payloads(raw)) if c.get("choices")
+    )
+    assert row["outcome"] == "blocked" and row["response_kind"] == "text"
+    assert row["response_body"] == received and "4111" not in row["response_body"]
+
+
+async def test_anthropic_messages_streams_are_kept_as_their_text(
+    gateway_factory: Any, fake12: FakeUpstream, api_key: str
+) -> None:
+    gw = await _start(gateway_factory, fake12)
+    request_id = f"rl-{uuid.uuid4().hex[:12]}"
+    resp = await gw.data.post("/v1/messages", headers={"x-api-key": api_key, "x-request-id": request_id}, json={
+        "model": "logged", "max_tokens": 50, "stream": True, "messages": [{"role": "user", "content": "tell jane@example.com hi"}],
+    })
+    assert resp.status == 200
+    raw = await resp.read()
+    sent = "".join(
+        e["delta"]["text"] for e in (orjson.loads(p) for p in sse_payloads(raw))
+        if e.get("type") == "content_block_delta" and e["delta"].get("type") == "text_delta"
+    )
+    row = await _stored(gw, request_id)
+    assert row["protocol"] == "anthropic" and row["streamed"] and row["response_body"] == sent
+    assert "jane@example.com" not in row["request_body"] and "[REDACTED:email]" in row["request_body"]
+
+
+async def test_a_config_reload_opts_calls_in_and_out(gateway_factory: Any, fake12: FakeUpstream, api_key: str,
+                                                     db_pool: asyncpg.Pool) -> None:
+    gw: Gateway = await gateway_factory(env={"ADMIN_TOKEN": ADMIN_TOKEN}, config_yaml=config_for(fake12.url))
+    before, _ = await _call(gw, api_key, "before", model="any")
+    gw.state.settings.config_path.write_text(config_for(fake12.url, request_logs={"models": ["*"]}))
+    assert (await gw.management.post("/admin/config/reload", headers=ADMIN)).status == 200
+    after, _ = await _call(gw, api_key, "after", model="any")
+    assert await gw.state.request_logs.flush()
+    stored = {r["request_id"] for r in await db_pool.fetch(
+        "SELECT request_id FROM request_logs WHERE request_id = ANY($1)", [before, after])}
+    assert stored == {after}
+
+
+def test_stream_texts_reads_every_wire() -> None:
+    from gateway.protocols.sse import stream_texts
+
+    def event(obj: Any, name: str | None = None) -> bytes:
+        return (f"event: {name}\n".encode() if name else b"") + b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    assert stream_texts(event({"choices": [{"index": 1, "delta": {"content": "hi"}}]}), "chat") == [(1, "hi")]
+    assert stream_texts(b"data: [DONE]\n\n", "chat") == []
+    assert stream_texts(event({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "yo"}},
+                              "content_block_delta"), "anthropic") == [(0, "yo")]
+    assert stream_texts(event({"type": "response.output_text.delta", "output_index": 0, "delta": "ok"}),
+                        "responses") == [(0, "ok")]
+    assert stream_texts(b"data: {not json\n\n", "chat") == []
+
+
+async def test_the_console_lists_stored_calls_and_shows_bodies_to_an_admin_only(
+    gateway_factory: Any, fake12: FakeUpstream, key_factory: Any
+) -> None:
+    key, record = await key_factory()
+    gw = await _start(gateway_factory, fake12, keys=[record.key_prefix])
+    request_id, _ = await _call(gw, key, "console <b>words</b>", model="plain")
+    assert await gw.state.request_logs.flush()
+    assert (await gw.management.get("/ui/requests", allow_redirects=False)).status == 303  # a session first
+    store = SessionStore(gw.state.pool)
+    admin, _ = await store.create("ada@example.com", "admin", "oidc", 60)
+    viewer, _ = await store.create("vera@example.com", "viewer", "oidc", 60)
+    as_admin, as_viewer = {"Cookie": f"llmg_console={admin}"}, {"Cookie": f"llmg_console={viewer}"}
+
+    listing = await (await gw.management.get("/ui/requests", params={"key": record.key_prefix}, headers=as_admin)).text()
+    assert f"/ui/requests/{request_id}" in listing and 'aria-current=page>Requests' in listing
+    assert "Nothing" not in listing and "No stored calls" not in listing
+    bad = await (await gw.management.get("/ui/requests", params={"key": "nope"}, headers=as_admin)).text()
+    assert "key must be a key id" in bad
+
+    detail = await gw.management.get(f"/ui/requests/{request_id}", headers=as_admin)
+    text = await detail.text()
+    assert detail.status == 200 and "Request (as sent upstream)" in text
+    assert "console &lt;b&gt;words&lt;/b&gt;" in text and "<b>words</b>" not in text  # escaped
+    hidden = await (await gw.management.get(f"/ui/requests/{request_id}", headers=as_viewer)).text()
+    assert 'id="bodies-hidden"' in hidden and "words" not in hidden
+    assert (await gw.management.get("/ui/requests/nope", headers=as_admin)).status == 404

@@ -102,6 +102,8 @@ _CONSOLE_PAGES = (
     ("/ui/providers", "consoleProviders", "Deployments with circuit state, latency and error rate"),
     ("/ui/cache", "consoleCache", "Response cache sizes, hit rate, purge"),
     ("/ui/audit", "consoleAudit", "The audit trail, filterable"),
+    ("/ui/requests", "consoleRequests", "Stored calls (request logs), filterable"),
+    ("/ui/requests/{request_id}", "consoleRequest", "One stored call; its bodies for an admin session"),
     ("/ui/static/{name}", "consoleAsset", "The console's CSS and script (cached for a year: the URL has a hash)"),
     ("/ui/login", "consoleSignInForm", "The sign-in form"),
     ("/ui/oidc/start", "consoleSignOnStart", "Single sign-on: off to the identity provider (admin.oidc)"),
