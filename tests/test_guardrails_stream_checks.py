@@ -150,3 +150,21 @@ async def test_a_slow_check_never_delays_the_first_chunk(
     assert first_text_at is not None and first_text_at < 0.6  # the 1 s check runs beside the stream
     assert total >= 1.0  # and the end waited for it
     assert len(hook.seen) >= 1
+
+
+async def test_anthropic_messages_streams_end_with_their_own_error_event(
+    gateway_factory: Any, fake_factory: Any, aiohttp_server: Any, api_key: str, db_pool: Any
+) -> None:
+    url = await _webhook(aiohttp_server, Webhook(word="omega"))
+    fake = await fake_factory(chunks=8)
+    gw = await gateway_factory(config_yaml=_config(
+        fake, review={"type": "webhook", "url": url, "direction": "output", "stream_check_chars": 10}))
+    resp = await gw.data.post("/v1/messages", headers={"x-api-key": api_key, "x-request-id": "stream-check-anthropic"},
+                              json={"model": "review", "max_tokens": 50, "stream": True,
+                                    "messages": [{"role": "user", "content": "alpha beta omega"}]})
+    assert resp.status == 200
+    raw = await resp.read()
+    events = [orjson.loads(p) for p in sse_payloads(raw)]
+    assert events[-1]["type"] == "error" and sum(1 for e in events if e["type"] == "error") == 1
+    assert not any(e["type"] == "message_stop" for e in events)
+    assert (await _ledger(gw, db_pool, "stream-check-anthropic"))["guardrails"] == "review:blocked"
