@@ -29,11 +29,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import asyncpg
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from actors.runtime import Actor, ActorRef, ActorStopped, MailboxFull
 from gateway.billing.journal import Journal, Segment
@@ -323,3 +325,13 @@ class RequestLogHandle:
     def pending(self) -> int:
         journal = self._actor._journal
         return journal.pending_events if journal is not None else 0
+
+    def metric_families(self) -> Iterable[Metric]:
+        """For ``/metrics`` (read on the loop at each scrape)."""
+        actor = self._actor
+        yield GaugeMetricFamily("gateway_request_logs_pending_rows",
+                                "Request-log rows journaled but not yet in PostgreSQL.", value=self.pending)
+        yield CounterMetricFamily("gateway_request_logs_stored_total",
+                                  "Request-log rows journaled (calls whose bodies are kept).", value=actor.stored)
+        yield CounterMetricFamily("gateway_request_logs_purged_total",
+                                  "Request-log rows deleted after their retention.", value=actor.purged)

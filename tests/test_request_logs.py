@@ -164,6 +164,9 @@ async def test_rows_expire_after_their_retention(gateway_factory: Any, fake12: F
     listed = await (await gw.management.get(f"/admin/requests?key={record.key_prefix}", headers=ADMIN)).json()
     assert old_id not in {r["request_id"] for r in listed["data"]} and new_id in {r["request_id"] for r in listed["data"]}
     assert await gw.state.request_logs.purge() >= 1
+    metrics = await (await gw.management.get("/metrics")).text()
+    assert "gateway_request_logs_stored_total 2.0" in metrics and "gateway_request_logs_pending_rows 0.0" in metrics
+    assert "gateway_request_logs_purged_total" in metrics and "gateway_request_logs_purged_total 0.0" not in metrics
     remaining = {r["request_id"] for r in await db_pool.fetch(
         "SELECT request_id FROM request_logs WHERE request_id = ANY($1)", [old_id, new_id])}
     assert remaining == {new_id}

@@ -187,6 +187,7 @@ async def gateway_state(
             deployment_limits=deployment_limits,
         )
         state.reload_config = ConfigReloader(state, pools)
+        state.metrics.watch(request_logs.metric_families)
         if state.config_source is not None:
             state.metrics.config_loaded_at.set(state.config_source.loaded_at)
         state.metrics.watch_health_checks(lambda: {name: s.healthy for name, s in probes.view.items()})
