@@ -129,6 +129,27 @@ async def test_log_mode_and_both_fail_modes_on_a_stream(
     assert (await _ledger(gw, db_pool, "stream-check-open"))["guardrails"] == "opened:failed_open"
 
 
+async def test_a_rewrite_cannot_change_what_a_stream_already_sent_and_is_recorded_as_logged(
+    gateway_factory: Any, fake_factory: Any, aiohttp_server: Any, api_key: str, db_pool: Any
+) -> None:
+    async def rewrite(request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({"action": "rewrite", "texts": ["x" for _ in body["texts"]], "reasons": ["tone"]})
+
+    app = web.Application()
+    app.router.add_post("/check", rewrite)
+    url = str((await aiohttp_server(app)).make_url("/check"))
+    fake = await fake_factory(chunks=6)
+    gw = await gateway_factory(config_yaml=_config(
+        fake, tone={"type": "webhook", "url": url, "mode": "redact", "direction": "output", "stream_check_chars": 5}))
+    payloads = await _stream(gw, api_key, "tone", "a plain answer", "stream-check-rewrite")
+    assert payloads[-1] == b"[DONE]" and "plain" in _text(payloads)
+    assert (await _ledger(gw, db_pool, "stream-check-rewrite"))["guardrails"] == "tone:logged"
+    # The same policy on a whole answer does rewrite it.
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body("a plain answer", model="tone"), headers=auth(api_key))
+    assert (await resp.json())["choices"][0]["message"]["content"] == "x"
+
+
 async def test_a_slow_check_never_delays_the_first_chunk(
     gateway_factory: Any, fake_factory: Any, aiohttp_server: Any, api_key: str
 ) -> None:
