@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -237,3 +238,162 @@ def test_a_bedrock_provider_without_its_extra_is_refused_in_one_line(
         load_config(load_settings(environ), environ)
     assert str(caught.value) == ("providers.aws.type: bedrock needs the bedrock extra "
                                  "(pip install 'llm-gateway[bedrock]')")
+
+
+# --------------------------------------------------------------------------- regions per deployment
+TITAN = "amazon.titan-embed-text-v2:0"
+COHERE = "cohere.embed-english-v3"
+EMBED_PRICE = {"input_per_mtok": 20.0, "output_per_mtok": 0.0}
+
+
+async def test_each_deployment_is_signed_for_and_sent_to_its_own_region(
+    gateway_factory: Any, bedrock: tuple[BedrockFake, str], api_key: str
+) -> None:
+    fake, url = bedrock
+    calls = records(gw := await gateway_factory(config_yaml=fleet_config(
+        # {region} in base_url: one fake endpoint per region, as bedrock-runtime.{region}.amazonaws.com is.
+        {"aws": bedrock_provider(url + "/{region}")},
+        [{"name": "home", "deployments": [{"provider": "aws", "model": HAIKU}]},
+         {"name": "abroad", "deployments": [{"provider": "aws", "model": HAIKU, "region": "us-east-1"}]},
+         {"name": "both", "deployments": [{"provider": "aws", "model": HAIKU, "region": "ap-southeast-2"},
+                                          {"provider": "aws", "model": HAIKU}]}])))
+    client = sdk(gw, api_key)
+    for group in ("home", "abroad", "both"):
+        await client.chat.completions.create(model=group, messages=[{"role": "user", "content": group}])
+    paths = [c.path for c in fake.state.model_calls()]
+    assert paths == [f"/eu-west-1/model/{HAIKU}/converse", f"/us-east-1/model/{HAIKU}/converse",
+                     f"/ap-southeast-2/model/{HAIKU}/converse"]
+    assert [s["region"] for s in fake.signatures] == ["eu-west-1", "us-east-1", "ap-southeast-2"]
+    # Each region is its own deployment: its own breaker, metrics and ledger entry.
+    assert [c.deployment for c in calls] == [f"aws/{HAIKU}", f"aws/{HAIKU}@us-east-1", f"aws/{HAIKU}@ap-southeast-2"]
+
+
+async def test_a_signature_scoped_to_another_region_than_the_endpoints_is_refused(
+    gateway_factory: Any, bedrock: tuple[BedrockFake, str], api_key: str
+) -> None:
+    fake, url = bedrock
+    gw = await gateway_factory(config_yaml=fleet_config(  # the fake's root endpoint is eu-west-1
+        {"aws": bedrock_provider(url)},
+        [{"name": "wrong", "deployments": [{"provider": "aws", "model": HAIKU, "region": "us-east-1"}]}]))
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="wrong"), headers=auth(api_key))
+    assert resp.status == 502 and (await resp.json())["error"]["code"] == "upstream_auth_failed"
+    assert fake.signatures == []  # AWS's 403: "Credential should be scoped to a valid region"
+
+
+async def test_the_default_endpoint_host_follows_the_deployments_region(tmp_path: Path) -> None:
+    import aiohttp
+
+    from gateway.core.config import Deployment
+    from gateway.providers.bedrock import BedrockProvider
+
+    path = tmp_path / "g.yaml"
+    path.write_text(fleet_config({"aws": {"type": "bedrock", "region": "eu-central-1"}},
+                                 [{"name": "m", "deployments": [{"provider": "aws", "model": HAIKU}]}]))
+    environ = {"GATEWAY_CONFIG": str(path), "DATABASE_URL": "postgresql://x/y"}
+    config = load_config(load_settings(environ), environ)
+    async with aiohttp.ClientSession() as session:
+        provider = BedrockProvider(config.providers["aws"], session, request_timeout=5)
+        tokyo = provider.for_deployment(Deployment(provider="aws", model=HAIKU, region="ap-northeast-1"))
+        assert provider.url(HAIKU, "converse").startswith("https://bedrock-runtime.eu-central-1.amazonaws.com/")
+        assert tokyo.url(HAIKU, "converse").startswith("https://bedrock-runtime.ap-northeast-1.amazonaws.com/")
+        assert tokyo.address == "bedrock-runtime.ap-northeast-1.amazonaws.com"
+        assert provider.for_deployment(Deployment(provider="aws", model=HAIKU)) is provider
+        assert provider.for_deployment(Deployment(provider="aws", model=HAIKU, region="ap-northeast-1")) is tokyo
+
+
+def test_only_bedrock_deployments_take_a_region(tmp_path: Path) -> None:
+    path = tmp_path / "g.yaml"
+    path.write_text(fleet_config({"oa": {"type": "openai", "base_url": "http://127.0.0.1:9"}},
+                                 [{"name": "m", "deployments": [{"provider": "oa", "model": "x", "region": "eu"}]}]))
+    environ = {"GATEWAY_CONFIG": str(path), "DATABASE_URL": "postgresql://x/y"}
+    with pytest.raises(ConfigError, match=r"^models\[0\]\.deployments\[0\]\.region: provider 'oa' is of type openai; "
+                                          r"only bedrock deployments take a region$"):
+        load_config(load_settings(environ), environ)
+
+
+# --------------------------------------------------------------------------- embeddings (InvokeModel)
+@pytest.fixture
+async def embed_gw(gateway_factory: Any, bedrock: tuple[BedrockFake, str]) -> Gateway:
+    _, url = bedrock
+    return await gateway_factory(config_yaml=fleet_config(  # type: ignore[no-any-return]
+        {"aws": bedrock_provider(url + "/{region}")},
+        [{"name": "titan", "deployments": [{"provider": "aws", "model": TITAN, "region": "us-east-1",
+                                             "price": EMBED_PRICE}]},
+         {"name": "cohere", "deployments": [{"provider": "aws", "model": COHERE, "price": EMBED_PRICE}]},
+         {"name": "haiku", "deployments": [{"provider": "aws", "model": HAIKU}]}]))
+
+
+async def test_titan_embeddings_one_signed_invoke_per_input_billed_from_its_token_counts(
+    embed_gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str, db_pool: asyncpg.Pool
+) -> None:
+    from gateway.core.tokens import count_tokens
+    from gateway.testing.fake_vendor import unit_vector
+
+    fake, _ = bedrock
+    request_id = f"be-{uuid.uuid4().hex[:10]}"
+    client = openai.AsyncOpenAI(base_url=embed_gw.url("/v1"), api_key=api_key, max_retries=0,
+                                default_headers={"x-request-id": request_id})
+    # The SDK asks for base64 by default: the vectors come back encoded and decode to the fake's.
+    answer = await client.embeddings.create(model="titan", input=["alpha beta", "gamma"], dimensions=256)
+    assert [d.index for d in answer.data] == [0, 1]
+    assert answer.data[0].embedding == pytest.approx(unit_vector("alpha beta", 256), abs=1e-6)
+    assert len(answer.data[1].embedding) == 256
+    tokens = count_tokens("alpha beta") + count_tokens("gamma")
+    assert answer.usage.prompt_tokens == tokens
+    calls = fake.state.model_calls()
+    assert sorted(c.body["inputText"] for c in calls) == ["alpha beta", "gamma"]
+    assert {c.path for c in calls} == {f"/us-east-1/model/{TITAN}/invoke"}
+    assert all(c.body["dimensions"] == 256 for c in calls)
+    assert [s["region"] for s in fake.signatures] == ["us-east-1", "us-east-1"]
+    assert await embed_gw.state.billing.flush()
+    row = await db_pool.fetchrow("SELECT * FROM usage_ledger WHERE request_id = $1", request_id)
+    assert row["provider"] == "aws" and (row["prompt_tokens"], row["completion_tokens"]) == (tokens, 0)
+    assert not row["usage_estimated"] and row["cost_source"] == "price"
+    assert row["cost_usd"] == (Decimal(tokens) * 20 / 1_000_000).quantize(Decimal("1e-10"))
+
+
+async def test_cohere_embeddings_one_invoke_for_all_inputs_tokens_from_the_header(
+    embed_gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str
+) -> None:
+    from gateway.core.tokens import count_tokens
+
+    fake, _ = bedrock
+    resp = await embed_gw.data.post("/v1/embeddings", json={"model": "cohere", "input": ["one", "two two"]},
+                                    headers=auth(api_key))
+    assert resp.status == 200, await resp.text()
+    answer = await resp.json()
+    assert [len(d["embedding"]) for d in answer["data"]] == [1024, 1024]
+    assert answer["usage"]["prompt_tokens"] == count_tokens("one") + count_tokens("two two")
+    (call,) = fake.state.model_calls()
+    assert call.path == f"/eu-west-1/model/{COHERE}/invoke"
+    assert call.body == {"texts": ["one", "two two"], "input_type": "search_document"}
+
+
+async def test_bedrock_embeddings_refuse_what_they_cannot_map_and_obey_budgets(
+    embed_gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str, key_factory: Any
+) -> None:
+    fake, _ = bedrock
+    resp = await embed_gw.data.post("/v1/embeddings", json={"model": "haiku", "input": "x"}, headers=auth(api_key))
+    assert resp.status == 400 and (await resp.json())["error"]["code"] == "model_not_supported"
+    resp = await embed_gw.data.post("/v1/embeddings", json={"model": "titan", "input": [[1, 2, 3]]},
+                                    headers=auth(api_key))
+    assert resp.status == 400 and "token arrays" in (await resp.json())["error"]["message"]
+    resp = await embed_gw.data.post("/v1/embeddings", json={"model": "cohere", "input": ["t"] * 97},
+                                    headers=auth(api_key))
+    assert resp.status == 400 and "at most 96" in (await resp.json())["error"]["message"]
+    spent, _ = await key_factory(budget_usd=Decimal("0"), budget_period="total")
+    resp = await embed_gw.data.post("/v1/embeddings", json={"model": "titan", "input": "x"}, headers=auth(spent))
+    assert resp.status == 402 and (await resp.json())["error"]["code"] == "budget_exceeded"
+    assert fake.state.model_calls() == []
+
+
+async def test_throttled_embeddings_are_retried_and_keep_their_429(
+    embed_gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str
+) -> None:
+    fake, _ = bedrock
+    fake.state.script.append({"status": 429})
+    resp = await embed_gw.data.post("/v1/embeddings", json={"model": "cohere", "input": "x"}, headers=auth(api_key))
+    assert resp.status == 200 and len(fake.state.model_calls()) == 2  # the ThrottlingException was retried
+    fake.state.script.extend([{"status": 429}] * 10)
+    resp = await embed_gw.data.post("/v1/embeddings", json={"model": "cohere", "input": "x"}, headers=auth(api_key))
+    assert resp.status == 429 and (await resp.json())["error"]["code"] == "rate_limit_exceeded"

@@ -8,6 +8,8 @@ answers, ``state.calls`` lists what each call carried.
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -15,7 +17,7 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
-__all__ = ["STATE_KEY", "Call", "VendorState", "json_response"]
+__all__ = ["STATE_KEY", "Call", "VendorState", "json_response", "unit_vector"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,3 +70,11 @@ STATE_KEY: Final = web.AppKey("vendor_fake_state", VendorState)
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json", headers=headers)
+
+
+def unit_vector(text: str, dimensions: int) -> list[float]:
+    """A deterministic unit-length embedding of ``text`` (what an embedding fake answers)."""
+    digest = hashlib.shake_256(text.encode()).digest(dimensions)
+    values = [b / 127.5 - 1.0 for b in digest]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return [round(v / norm, 6) for v in values]

@@ -8,7 +8,11 @@ public key, issued by its ``client_email``, for Google's token endpoint (``aud``
 models/{model}:generateContent`` (and ``:streamGenerateContent?alt=sse``) need
 ``Authorization: Bearer`` with an issued, unexpired token (else Google's 401
 UNAUTHENTICATED) and the fake's project and location (else 403 / 400), then answer as
-the Gemini fake does (gateway/testing/fake_gemini.py). Claude models answer at
+the Gemini fake does (gateway/testing/fake_gemini.py). Text embedding models answer
+``:predict``: ``instances[].content`` (with ``task_type`` / ``title``), ``parameters``
+``outputDimensionality`` / ``autoTruncate``, at most 250 instances, other fields a 400
+INVALID_ARGUMENT; ``predictions[].embeddings`` ``{values, statistics: {token_count,
+truncated}}`` and ``metadata.billableCharacterCount``. Claude models answer at
 ``publishers/anthropic/models/{model}:rawPredict`` / ``:streamRawPredict`` with the
 Messages API's shapes (gateway/testing/fake_llm.py), requiring Vertex's
 ``anthropic_version: vertex-2023-10-16`` and no ``model`` in the body.
@@ -27,9 +31,10 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
+from gateway.core.tokens import count_tokens
 from gateway.testing.fake_gemini import answer_model_call, google_error
 from gateway.testing.fake_llm import anthropic_message, anthropic_stream_events
-from gateway.testing.fake_vendor import STATE_KEY, VendorState, json_response
+from gateway.testing.fake_vendor import STATE_KEY, VendorState, json_response, unit_vector
 
 __all__ = ["VertexFake", "make_app"]
 
@@ -48,6 +53,7 @@ class VertexFake:
     project: str = "fake-project"
     location: str = "europe-west4"
     models: tuple[str, ...] = ("gemini-2.5-flash",)
+    embedding_models: tuple[str, ...] = ("text-embedding-005",)
     token_lifetime: int = 3599
     state: VendorState = field(default_factory=VendorState)
     #: Issued token → when it expires (Unix seconds).
@@ -100,7 +106,36 @@ async def _model_route(request: web.Request) -> web.StreamResponse:
     body = await fake.state.record(request)
     if (refused := _refused(request, fake)) is not None:
         return refused
+    if request.match_info["target"].endswith(":predict"):
+        return _predict(fake, request.match_info["target"].removesuffix(":predict"), body)
     return await answer_model_call(request, fake.state, fake.models, body)
+
+
+_INSTANCE_FIELDS = {"content", "task_type", "title"}
+_PARAMETER_FIELDS = {"outputDimensionality", "autoTruncate"}
+
+
+def _predict(fake: VertexFake, model: str, body: Any) -> web.Response:
+    """A text embedding model's ``:predict``."""
+    if model not in fake.embedding_models:
+        return google_error(404, f"Publisher Model `{model}` was not found or your project does not have access to it.")
+    instances = body.get("instances") if isinstance(body, dict) else None
+    parameters = (body.get("parameters") or {}) if isinstance(body, dict) else {}
+    if not isinstance(instances, list) or not 0 < len(instances) <= 250 or set(body) - {"instances", "parameters"} \
+            or not isinstance(parameters, dict) or set(parameters) - _PARAMETER_FIELDS \
+            or not all(isinstance(i, dict) and isinstance(i.get("content"), str) and not set(i) - _INSTANCE_FIELDS
+                       for i in instances):
+        return google_error(400, "Invalid JSON payload: instances[] of {content} (1 to 250) and parameters "
+                                 "{outputDimensionality, autoTruncate} only.")
+    step = fake.state.next_step()
+    if "status" in step:
+        return google_error(int(step["status"]), "scripted failure")
+    dimensions = int(parameters.get("outputDimensionality") or 768)
+    predictions = [{"embeddings": {"values": unit_vector(i["content"], dimensions),
+                                   "statistics": {"token_count": count_tokens(i["content"]), "truncated": False}}}
+                   for i in instances]
+    return json_response({"predictions": predictions,
+                          "metadata": {"billableCharacterCount": sum(len(i["content"]) for i in instances)}})
 
 
 def _refused(request: web.Request, fake: VertexFake) -> web.Response | None:
