@@ -397,3 +397,71 @@ async def test_throttled_embeddings_are_retried_and_keep_their_429(
     fake.state.script.extend([{"status": 429}] * 10)
     resp = await embed_gw.data.post("/v1/embeddings", json={"model": "cohere", "input": "x"}, headers=auth(api_key))
     assert resp.status == 429 and (await resp.json())["error"]["code"] == "rate_limit_exceeded"
+
+
+# --------------------------------------------------------------------------- pass-through, re-signed
+async def _ledger(gw: Gateway, pool: asyncpg.Pool, request_id: str) -> asyncpg.Record:
+    assert await gw.state.billing.flush()
+    rows = await pool.fetch("SELECT * FROM usage_ledger WHERE request_id = $1", request_id)
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+@pytest.mark.parametrize("model_in_path", [HAIKU, HAIKU.replace(":", "%3A")])
+async def test_passthrough_re_signs_the_forwarded_request_and_bills_its_usage(
+    gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str, db_pool: asyncpg.Pool, model_in_path: str
+) -> None:
+    fake, _ = bedrock
+    request_id = f"bp-{uuid.uuid4().hex[:10]}"
+    raw_body = b'{"messages": [{"role": "user", "content": [{"text": "native converse"}]}],  "inferenceConfig": {}}'
+    resp = await gw.data.post(f"/passthrough/aws/model/{model_in_path}/converse", data=raw_body, headers={
+        **auth(api_key), "Content-Type": "application/json", "x-request-id": request_id, "x-custom": "kept"})
+    assert resp.status == 200, await resp.text()
+    answer = await resp.json()
+    assert answer["output"]["message"]["content"] == [{"text": "This is a mock answer to: native converse"}]
+    call = fake.state.model_calls()[-1]
+    assert call.path == f"/model/{HAIKU}/converse" and call.body == orjson.loads(raw_body)
+    assert call.headers["authorization"].startswith("AWS4-HMAC-SHA256 ") and api_key not in str(call.headers)
+    assert call.headers["x-custom"] == "kept"
+    assert fake.signatures[-1]["region"] == "eu-west-1"  # recomputed over the body as forwarded
+    row = await _ledger(gw, db_pool, request_id)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (answer["usage"]["inputTokens"],
+                                                                answer["usage"]["outputTokens"])
+    assert row["requested_model"] == HAIKU and row["cost_source"] == "price" and row["cost_usd"] > 0
+
+
+async def test_passthrough_relays_the_event_stream_byte_for_byte_and_reads_its_usage(
+    gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str, db_pool: asyncpg.Pool
+) -> None:
+    from botocore.eventstream import EventStreamBuffer
+
+    request_id = f"bs-{uuid.uuid4().hex[:10]}"
+    body = {"messages": [{"role": "user", "content": [{"text": "stream it natively"}]}]}
+    resp = await gw.data.post(f"/passthrough/aws/model/{HAIKU}/converse-stream", json=body,
+                              headers={**auth(api_key), "x-request-id": request_id})
+    assert resp.status == 200
+    assert resp.headers["Content-Type"] == "application/vnd.amazon.eventstream"
+    frames = EventStreamBuffer()
+    frames.add_data(await resp.read())  # every frame's CRCs still hold
+    events = [(m.headers[":event-type"], orjson.loads(m.payload)) for m in frames]
+    text = "".join(p["delta"]["text"] for kind, p in events if kind == "contentBlockDelta")
+    assert text == "This is a mock answer to: stream it natively"
+    usage = events[-1][1]["usage"]
+    row = await _ledger(gw, db_pool, request_id)
+    assert row["streamed"] and row["ttft_seconds"] is not None
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (usage["inputTokens"], usage["outputTokens"])
+
+
+async def test_passthrough_invoke_model_is_billed_from_bedrocks_token_headers(
+    embed_gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str, db_pool: asyncpg.Pool
+) -> None:
+    request_id = f"bi-{uuid.uuid4().hex[:10]}"
+    resp = await embed_gw.data.post(f"/passthrough/aws/model/{COHERE}/invoke",
+                                    json={"texts": ["native embed"], "input_type": "search_query"},
+                                    headers={**auth(api_key), "x-request-id": request_id})
+    assert resp.status == 200, await resp.text()
+    tokens = int(resp.headers["X-Amzn-Bedrock-Input-Token-Count"])
+    assert (await resp.json())["response_type"] == "embeddings_floats"
+    row = await _ledger(embed_gw, db_pool, request_id)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (tokens, 0) and tokens > 0
+    assert row["requested_model"] == COHERE and row["cost_source"] == "price"

@@ -87,7 +87,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     if provider is None or not provider.passthrough_base:
         raise ModelNotFound(f"no provider {name!r} to pass through to", code="provider_not_found")
     raw = await read_body(request, state.settings.body_limit)
-    model = _model_of(raw)
+    model = _model_of(raw) or provider.passthrough_model(request.match_info["path"])
     record = CallRecord(
         request_id=request_id_of(request), api_key_id=key.api_key_id, subject_id=key.subject_id,
         requested_model=model or f"passthrough/{name}", served_model=model, provider=name,

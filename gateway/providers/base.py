@@ -305,6 +305,11 @@ class Provider:
         url = f"{self.passthrough_base}/{path}"
         return (f"{url}?{query}" if query else url), await self.credential_headers()
 
+    def passthrough_model(self, path: str) -> str | None:
+        """The model a pass-through ``path`` names, for a wire with the model in its URL
+        (Gemini's ``.../models/{model}:method``, Bedrock's ``model/{modelId}/...``); else None."""
+        return None
+
     def passthrough_payloads(self, content_type: str) -> Callable[[bytes], list[bytes]] | None:
         """For an answer streamed in frames of the vendor's own (neither JSON nor SSE):
         a reader turning the body's chunks into the JSON payloads they carry, so their

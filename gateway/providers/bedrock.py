@@ -228,6 +228,11 @@ class BedrockProvider(Provider):
         signed = {name: headers[name] for name in _SIGNED_PASSTHROUGH_HEADERS if name in headers}
         return yarl.URL(url, encoded=True), await self._signed_headers(method, url, body, signed)
 
+    def passthrough_model(self, path: str) -> str | None:
+        kind, _, rest = path.partition("/")
+        model = rest.partition("/")[0]
+        return model if kind == "model" and model else None
+
     def passthrough_payloads(self, content_type: str) -> Callable[[bytes], list[bytes]] | None:
         if not content_type.startswith(_EVENT_STREAM):
             return None

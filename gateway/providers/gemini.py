@@ -67,6 +67,11 @@ class GeminiProvider(Provider):
         name = model.removeprefix("models/")
         return f"{self._models_url}/models/{quote(name, safe='')}:{method}"
 
+    def passthrough_model(self, path: str) -> str | None:
+        _, found, rest = path.rpartition("models/")
+        model = rest.partition(":")[0]
+        return model if found and model and "/" not in model else None
+
     async def auth_headers(self) -> Mapping[str, str]:
         """The headers every call sends, credential included (the API key here)."""
         return self.keyed_headers(self._headers)
