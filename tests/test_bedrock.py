@@ -465,3 +465,26 @@ async def test_passthrough_invoke_model_is_billed_from_bedrocks_token_headers(
     row = await _ledger(embed_gw, db_pool, request_id)
     assert (row["prompt_tokens"], row["completion_tokens"]) == (tokens, 0) and tokens > 0
     assert row["requested_model"] == COHERE and row["cost_source"] == "price"
+
+
+@pytest.mark.parametrize("lifetime", [3600, 840])
+async def test_temporary_container_credentials_are_refreshed_when_botocore_says_they_are_due(
+    gateway_factory: Any, bedrock: tuple[BedrockFake, str], api_key: str, monkeypatch: pytest.MonkeyPatch,
+    lifetime: int,
+) -> None:
+    fake, url = bedrock
+    fake.container_lifetime = lifetime  # 840 s: inside botocore's 15-minute advisory refresh window
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", f"{url}/container-credentials")
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"aws": bedrock_provider(url)}, [{"name": "haiku", "deployments": [{"provider": "aws", "model": HAIKU}]}]))
+    for _ in range(2):
+        resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="haiku"), headers=auth(api_key))
+        assert resp.status == 200, await resp.text()
+    tokens = [s["token"] for s in fake.signatures]
+    assert all(t in fake.state.issued_tokens for t in tokens)
+    if lifetime == 3600:
+        assert tokens[0] == tokens[1] and len(fake.state.issued_tokens) == 1  # valid: fetched once
+    else:
+        assert tokens[0] != tokens[1]  # due for refresh: fetched again before the second call

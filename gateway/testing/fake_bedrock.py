@@ -11,6 +11,10 @@ over the headers named in ``SignedHeaders``, the raw path, the body and ``X-Amz-
 (``UnrecognizedClientException``, ``InvalidSignatureException``, "Credential should be
 scoped to a valid region") with ``x-amzn-ErrorType``.
 
+``GET /container-credentials`` is the ECS / EKS container credentials endpoint (for
+``AWS_CONTAINER_CREDENTIALS_FULL_URI``): it answers the fake's key pair with a fresh session
+token (``container-token-N``) expiring ``container_lifetime`` seconds from now.
+
 InvokeModel bodies are the model's own: Amazon Titan Text Embeddings V2
 (``amazon.titan-embed-text-v2:0``: ``inputText``, ``dimensions`` 256 / 512 / 1024,
 ``normalize``, ``embeddingTypes``; answers ``embedding``, ``inputTextTokenCount``,
@@ -66,6 +70,8 @@ class BedrockFake:
     models: tuple[str, ...] = ("anthropic.claude-3-5-haiku-20241022-v1:0", "amazon.nova-lite-v1:0")
     embedding_models: tuple[str, ...] = ("amazon.titan-embed-text-v2:0", "cohere.embed-english-v3")
     state: VendorState = field(default_factory=VendorState)
+    #: Lifetime of the temporary credentials ``/container-credentials`` hands out.
+    container_lifetime: int = 3600
     #: What each verified request was signed with (date, signed header names, token, region).
     signatures: list[dict[str, Any]] = field(default_factory=list)
 
@@ -256,6 +262,16 @@ def _invoke(fake: BedrockFake, model: str, body: Any) -> web.Response:
                                   "x-amzn-RequestId": f"req-{len(fake.state.calls)}"})
 
 
+async def _container_credentials(request: web.Request) -> web.Response:
+    fake: BedrockFake = request.app[_FAKE_KEY]
+    await fake.state.record(request)
+    token = f"container-token-{len(fake.state.issued_tokens) + 1}"
+    fake.state.issued_tokens.append(token)
+    expiry = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + fake.container_lifetime))
+    return json_response({"AccessKeyId": fake.access_key, "SecretAccessKey": fake.secret_key, "Token": token,
+                          "Expiration": expiry, "RoleArn": "arn:aws:iam::123456789012:role/gateway"})
+
+
 _FAKE_KEY = web.AppKey("bedrock_fake", BedrockFake)
 
 
@@ -264,6 +280,7 @@ def make_app(fake: BedrockFake) -> web.Application:
     app = web.Application()
     app[_FAKE_KEY] = fake
     app[STATE_KEY] = fake.state
+    app.router.add_get("/container-credentials", _container_credentials)
     app.router.add_post("/model/{model}/{operation:converse|converse-stream|invoke}", _model_route)
     app.router.add_post("/{region}/model/{model}/{operation:converse|converse-stream|invoke}", _model_route)
     return app
