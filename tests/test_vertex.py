@@ -254,3 +254,31 @@ async def test_embeddings_go_to_predict_and_are_billed_from_vertex_token_counts(
     calls = len(fake.state.model_calls())
     resp = await gw.data.post("/v1/embeddings", json={"model": "embed", "input": "x"}, headers=auth(broke))
     assert resp.status == 402 and len(fake.state.model_calls()) == calls
+
+
+async def test_without_a_key_file_the_metadata_servers_token_is_used(
+    gateway_factory: Any, vertex: tuple[VertexFake, str], api_key: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Application Default Credentials on GCE / GKE / Cloud Run: no key file, no gcloud
+    login, so google-auth finds the metadata server and takes its service account's token."""
+    from google.auth.compute_engine import _metadata
+
+    fake, url = vertex
+    host = url.removeprefix("http://")
+    for name in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
+    monkeypatch.setenv("GCE_METADATA_IP", host)
+    monkeypatch.setattr(_metadata, "_GCE_METADATA_HOST", host)  # google-auth reads it once, at import
+    provider = {"type": "vertex", "base_url": url, "project": "fake-project", "location": "europe-west4"}
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"gcp": provider}, [{"name": "flash", "deployments": [{"provider": "gcp", "model": "gemini-2.5-flash"}]}]))
+    for _ in range(2):
+        resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="flash"), headers=auth(api_key))
+        assert resp.status == 200, await resp.text()
+    (token,) = fake.state.issued_tokens  # fetched once, then reused while valid
+    assert [c.headers["authorization"] for c in fake.state.model_calls()] == [f"Bearer {token}"] * 2
+    metadata = [c for c in fake.state.calls if c.path.startswith("/computeMetadata/")]
+    assert any(c.path.endswith("/service-accounts/default/token") for c in metadata)
+    assert all(c.headers.get("metadata-flavor") == "Google" for c in metadata)

@@ -61,8 +61,9 @@ class VendorState:
         return self.script.popleft() if self.script else {}
 
     def model_calls(self) -> list[Call]:
-        """The calls other than token requests."""
-        return [c for c in self.calls if "/oauth2/" not in c.path and not c.path.endswith("/token")]
+        """The calls other than credential requests (token endpoints, metadata servers)."""
+        return [c for c in self.calls if "/oauth2/" not in c.path and not c.path.endswith(("/token", "-credentials"))
+                and not c.path.startswith("/computeMetadata/") and c.path != "/"]
 
 
 STATE_KEY: Final = web.AppKey("vendor_fake_state", VendorState)

@@ -16,6 +16,12 @@ truncated}}`` and ``metadata.billableCharacterCount``. Claude models answer at
 ``publishers/anthropic/models/{model}:rawPredict`` / ``:streamRawPredict`` with the
 Messages API's shapes (gateway/testing/fake_llm.py), requiring Vertex's
 ``anthropic_version: vertex-2023-10-16`` and no ``model`` in the body.
+
+The GCE metadata server is here too (for Application Default Credentials on GCE, GKE,
+Cloud Run): ``GET /`` answers the ``Metadata-Flavor: Google`` ping, and
+``/computeMetadata/v1/`` the project id, the default service account's info and its
+access token (issued and accepted like the token endpoint's), each only to a request
+carrying ``Metadata-Flavor: Google``, as the real server wants.
 """
 
 from __future__ import annotations
@@ -95,10 +101,7 @@ async def _token(request: web.Request) -> web.Response:
     claims = _verified_claims(str(form.get("assertion", "")), fake, _AUDIENCE)
     if isinstance(claims, str):
         return json_response({"error": "invalid_grant", "error_description": claims}, 400)
-    token = f"ya29.fake-{len(fake.expiries) + 1}"
-    fake.expiries[token] = time.time() + fake.token_lifetime
-    fake.state.issued_tokens.append(token)
-    return json_response({"access_token": token, "expires_in": fake.token_lifetime, "token_type": "Bearer"})
+    return json_response(_issue_token(fake))
 
 
 async def _model_route(request: web.Request) -> web.StreamResponse:
@@ -179,6 +182,37 @@ async def _anthropic_route(request: web.Request) -> web.StreamResponse:
     return response
 
 
+_METADATA_FLAVOR = {"Metadata-Flavor": "Google"}
+
+
+def _issue_token(fake: VertexFake) -> dict[str, Any]:
+    token = f"ya29.fake-{len(fake.expiries) + 1}"
+    fake.expiries[token] = time.time() + fake.token_lifetime
+    fake.state.issued_tokens.append(token)
+    return {"access_token": token, "expires_in": fake.token_lifetime, "token_type": "Bearer"}
+
+
+async def _metadata(request: web.Request) -> web.Response:
+    """The GCE metadata server's few routes google-auth reads."""
+    fake: VertexFake = request.app[_FAKE_KEY]
+    await fake.state.record(request)
+    if request.headers.get("Metadata-Flavor") != "Google":
+        return web.Response(status=403, text="Missing Metadata-Flavor:Google header.", headers=_METADATA_FLAVOR)
+    path = request.match_info["path"]
+    if path == "":
+        return web.Response(text="computeMetadata/\n", headers=_METADATA_FLAVOR)
+    if path == "computeMetadata/v1/project/project-id":
+        return web.Response(text=fake.project, headers=_METADATA_FLAVOR)
+    if path == "computeMetadata/v1/universe/universe-domain":
+        return web.Response(text="googleapis.com", headers=_METADATA_FLAVOR)
+    if path == "computeMetadata/v1/instance/service-accounts/default/":
+        return json_response({"aliases": ["default"], "email": fake.client_email, "scopes": [_SCOPE]},
+                             headers=_METADATA_FLAVOR)
+    if path == "computeMetadata/v1/instance/service-accounts/default/token":
+        return json_response(_issue_token(fake), headers=_METADATA_FLAVOR)
+    return web.Response(status=404, text="not found", headers=_METADATA_FLAVOR)
+
+
 _FAKE_KEY = web.AppKey("vertex_fake", VertexFake)
 
 
@@ -188,6 +222,7 @@ def make_app(fake: VertexFake) -> web.Application:
     app[_FAKE_KEY] = fake
     app[STATE_KEY] = fake.state
     app.router.add_post("/token", _token)
+    app.router.add_get("/{path:(computeMetadata/.*)?}", _metadata)
     app.router.add_post(
         "/v1/projects/{project}/locations/{location}/publishers/google/models/{target}", _model_route)
     app.router.add_post(
