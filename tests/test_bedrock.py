@@ -488,3 +488,27 @@ async def test_temporary_container_credentials_are_refreshed_when_botocore_says_
         assert tokens[0] == tokens[1] and len(fake.state.issued_tokens) == 1  # valid: fetched once
     else:
         assert tokens[0] != tokens[1]  # due for refresh: fetched again before the second call
+
+
+async def test_passthrough_invoke_with_response_stream_relays_chunks_and_bills_the_invocation_metrics(
+    gw: Gateway, api_key: str, db_pool: asyncpg.Pool
+) -> None:
+    import base64
+
+    from botocore.eventstream import EventStreamBuffer
+
+    request_id = f"bw-{uuid.uuid4().hex[:10]}"
+    body = {"anthropic_version": "bedrock-2023-05-31", "max_tokens": 64,
+            "messages": [{"role": "user", "content": "invoke and stream"}]}
+    resp = await gw.data.post(f"/passthrough/aws/model/{HAIKU}/invoke-with-response-stream", json=body,
+                              headers={**auth(api_key), "x-request-id": request_id})
+    assert resp.status == 200 and resp.headers["Content-Type"] == "application/vnd.amazon.eventstream"
+    frames = EventStreamBuffer()
+    frames.add_data(await resp.read())
+    events = [orjson.loads(base64.b64decode(orjson.loads(m.payload)["bytes"])) for m in frames]
+    assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
+    metrics = events[-1]["amazon-bedrock-invocationMetrics"]
+    row = await _ledger(gw, db_pool, request_id)
+    assert row["streamed"] and row["requested_model"] == HAIKU
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (metrics["inputTokenCount"], metrics["outputTokenCount"])
+    assert row["prompt_tokens"] > 0 and row["completion_tokens"] > 0

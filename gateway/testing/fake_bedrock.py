@@ -11,6 +11,12 @@ over the headers named in ``SignedHeaders``, the raw path, the body and ``X-Amz-
 (``UnrecognizedClientException``, ``InvalidSignatureException``, "Credential should be
 scoped to a valid region") with ``x-amzn-ErrorType``.
 
+The Claude models also answer InvokeModel with Anthropic's Messages body
+(``anthropic_version: bedrock-2023-05-31``, no ``model``): ``/invoke`` a message,
+``/invoke-with-response-stream`` an event stream of ``chunk`` events whose payload is
+``{"bytes": base64 of one Messages stream event}``, the last carrying
+``amazon-bedrock-invocationMetrics`` (input and output token counts), as Bedrock sends.
+
 ``GET /container-credentials`` is the ECS / EKS container credentials endpoint (for
 ``AWS_CONTAINER_CREDENTIALS_FULL_URI``): it answers the fake's key pair with a fresh session
 token (``container-token-N``) expiring ``container_lifetime`` seconds from now.
@@ -35,6 +41,7 @@ frame after the first two events), ``{"corrupt_crc": true}`` (the third frame's 
 
 from __future__ import annotations
 
+import base64
 import calendar
 import itertools
 import struct
@@ -50,6 +57,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 
 from gateway.core.tokens import count_tokens
+from gateway.testing.fake_llm import anthropic_message, anthropic_stream_events
 from gateway.testing.fake_vendor import STATE_KEY, VendorState, json_response, unit_vector
 
 __all__ = ["BedrockFake", "encode_frame", "make_app"]
@@ -172,6 +180,8 @@ async def _model_route(request: web.Request) -> web.StreamResponse:
     if (denied := _verify_signature(request, raw, fake, region)) is not None:
         return denied
     model = request.match_info["model"]
+    if request.match_info["operation"].startswith("invoke") and model in fake.models:
+        return await _invoke_claude(request, fake, model, body)
     if request.match_info["operation"] == "invoke":
         return _invoke(fake, model, body)
     if model not in fake.models:
@@ -218,6 +228,37 @@ async def _model_route(request: web.Request) -> web.StreamResponse:
         # Split frames across writes, as TCP may: the parser must reassemble them.
         await response.write(frame[:7])
         await response.write(frame[7:])
+    await response.write_eof()
+    return response
+
+
+async def _invoke_claude(request: web.Request, fake: BedrockFake, model: str, body: Any) -> web.StreamResponse:
+    """InvokeModel / InvokeModelWithResponseStream of a Claude model: the Messages API body."""
+    if not isinstance(body, dict) or body.get("anthropic_version") != "bedrock-2023-05-31" or "model" in body:
+        return _aws_error(400, "ValidationException", "anthropic_version bedrock-2023-05-31 is required; "
+                                                      "extraneous key [model] is not permitted")
+    answered = {**body, "model": model}
+    message_id = f"msg_bdrk_{len(fake.state.calls)}"
+    request_id = {"x-amzn-RequestId": f"req-{len(fake.state.calls)}"}
+    if request.match_info["operation"] == "invoke":
+        message = anthropic_message(answered, message_id=message_id)
+        return json_response(message, headers={
+            **request_id, "X-Amzn-Bedrock-Input-Token-Count": str(message["usage"]["input_tokens"]),
+            "X-Amzn-Bedrock-Output-Token-Count": str(message["usage"]["output_tokens"])})
+    events = [orjson.loads(line[6:]) for event in anthropic_stream_events(answered, message_id=message_id)
+              for line in event.split(b"\n") if line.startswith(b"data: ")]
+    tokens_in = events[0]["message"]["usage"]["input_tokens"]
+    tokens_out = next(e["usage"]["output_tokens"] for e in events if e["type"] == "message_delta")
+    events[-1]["amazon-bedrock-invocationMetrics"] = {"inputTokenCount": tokens_in, "outputTokenCount": tokens_out,
+                                                      "invocationLatency": 120, "firstByteLatency": 40}
+    response = web.StreamResponse(headers={"Content-Type": "application/vnd.amazon.eventstream", **request_id})
+    await response.prepare(request)
+    for event in events:
+        payload = orjson.dumps({"bytes": base64.b64encode(orjson.dumps(event)).decode()})
+        frame = encode_frame({":event-type": "chunk", ":content-type": "application/json", ":message-type": "event"},
+                             payload)
+        await response.write(frame[:5])
+        await response.write(frame[5:])
     await response.write_eof()
     return response
 
@@ -281,6 +322,7 @@ def make_app(fake: BedrockFake) -> web.Application:
     app[_FAKE_KEY] = fake
     app[STATE_KEY] = fake.state
     app.router.add_get("/container-credentials", _container_credentials)
-    app.router.add_post("/model/{model}/{operation:converse|converse-stream|invoke}", _model_route)
-    app.router.add_post("/{region}/model/{model}/{operation:converse|converse-stream|invoke}", _model_route)
+    operations = "{operation:converse|converse-stream|invoke|invoke-with-response-stream}"
+    app.router.add_post(f"/model/{{model}}/{operations}", _model_route)
+    app.router.add_post(f"/{{region}}/model/{{model}}/{operations}", _model_route)
     return app
