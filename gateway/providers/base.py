@@ -361,12 +361,11 @@ async def read_whole(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     return bytes(body)
 
 
-async def read_reply(resp: aiohttp.ClientResponse) -> bytes:
-    """The whole body of a provider's answer; the connection is given back after it, or
-    closed when reading failed (a half-read body must not be reused)."""
+async def read_reply(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body of a provider's answer (bounded as :func:`read_whole`); the connection
+    is given back after it, or closed when reading failed (a half-read body must not be reused)."""
     try:
-        with map_transport_errors():
-            raw = await resp.read()
+        raw = await read_whole(resp, limit)
     except BaseException:
         resp.close()
         raise

@@ -173,7 +173,7 @@ class BedrockProvider(Provider):
             translator = wire.StreamTranslator(model=model, include_usage=wants_usage(body), response_id=response_id)
             return UpstreamReply(status=resp.status, headers=_JSON_HEADERS,
                                  events=_translated_events(resp, translator), _release=resp.release)
-        raw = await read_reply(resp)
+        raw = await read_reply(resp, self.config.max_response_bytes)
         if resp.status >= 300:
             return _error_reply(resp, raw)
         completion = _translated(lambda a: wire.to_chat_completion(a, model=model, response_id=response_id),
@@ -215,7 +215,7 @@ class BedrockProvider(Provider):
     async def _invoke(self, url: str, request: dict[str, Any], headers: Mapping[str, str],
                       timeouts: Timeouts | None) -> tuple[aiohttp.ClientResponse, bytes]:
         resp = await self._post(url, orjson.dumps(request), stream=False, headers=headers, timeouts=timeouts)
-        return resp, await read_reply(resp)
+        return resp, await read_reply(resp, self.config.max_response_bytes)
 
     # ----------------------------------------------------------------------- pass-through
     async def passthrough_request(

@@ -105,7 +105,7 @@ class GeminiProvider(Provider):
             except BaseException:
                 resp.close()
                 raise
-        raw = await read_reply(resp)
+        raw = await read_reply(resp, self.config.max_response_bytes)
         if resp.status >= 300:
             return google_error_reply(resp.status, raw)
         answer = json_object(raw, "gemini")
@@ -145,7 +145,7 @@ class GeminiProvider(Provider):
         single = isinstance(body.get("input"), str)
         method, payload = ("embedContent", requests[0]) if single else ("batchEmbedContents", {"requests": requests})
         resp = await self._post(self.url(model, method), payload, stream=False, headers=headers, timeouts=timeouts)
-        raw = await read_reply(resp)
+        raw = await read_reply(resp, self.config.max_response_bytes)
         if resp.status >= 300:
             return google_error_reply(resp.status, raw)
         estimate = sum(count_tokens(r["content"]["parts"][0]["text"]) for r in requests)

@@ -147,7 +147,7 @@ class VertexProvider(GeminiProvider):
             translator = anthropic.StreamTranslator(model=model, include_usage=wants_usage(body))
             return UpstreamReply(status=resp.status, headers=_JSON_HEADERS,
                                  events=_anthropic_events(resp, translator), _release=resp.release)
-        raw = await read_reply(resp)
+        raw = await read_reply(resp, self.config.max_response_bytes)
         if resp.status >= 300:
             return google_error_reply(resp.status, raw, _error_body)
         message = json_object(raw, "vertex")
@@ -164,7 +164,7 @@ class VertexProvider(GeminiProvider):
         model = str(body.get("model") or "").removeprefix("models/")
         payload = gemini_wire.predict_embeddings_request(body)
         resp = await self._post(self.url(model, "predict"), payload, stream=False, headers=headers, timeouts=timeouts)
-        raw = await read_reply(resp)
+        raw = await read_reply(resp, self.config.max_response_bytes)
         if resp.status >= 300:
             return google_error_reply(resp.status, raw)
         answer = translated(lambda a: gemini_wire.from_predict_embeddings(a, body=body, model=model),
