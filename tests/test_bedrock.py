@@ -512,3 +512,14 @@ async def test_passthrough_invoke_with_response_stream_relays_chunks_and_bills_t
     assert row["streamed"] and row["requested_model"] == HAIKU
     assert (row["prompt_tokens"], row["completion_tokens"]) == (metrics["inputTokenCount"], metrics["outputTokenCount"])
     assert row["prompt_tokens"] > 0 and row["completion_tokens"] > 0
+
+
+async def test_a_whole_answer_past_max_response_bytes_is_a_provider_failure(
+    gateway_factory: Any, bedrock: tuple[BedrockFake, str], api_key: str
+) -> None:
+    _, url = bedrock
+    gw = await gateway_factory(config_yaml=fleet_config(  # a 1024-float Cohere answer is ~20 KiB
+        {"aws": bedrock_provider(url, max_response_bytes=4096, max_retries=0)},
+        [{"name": "cohere", "deployments": [{"provider": "aws", "model": COHERE}]}]))
+    resp = await gw.data.post("/v1/embeddings", json={"model": "cohere", "input": "x"}, headers=auth(api_key))
+    assert resp.status == 502 and (await resp.json())["error"]["code"] == "upstream_unavailable"
