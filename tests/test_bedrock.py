@@ -4,24 +4,33 @@ standard AWS chain, tools, throttling and failover, usage in the ledger."""
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 import uuid
 from collections.abc import AsyncIterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import asyncpg
 import openai
 import orjson
 import pytest
 from aiohttp.test_utils import TestServer
+from botocore.eventstream import EventStreamBuffer
 
 from gateway.core import extras
-from gateway.core.config import ConfigError, load_config, load_settings
+from gateway.core.config import ConfigError, Deployment, load_config, load_settings
 from gateway.core.errors import InvalidRequest
+from gateway.core.tokens import count_tokens
 from gateway.protocols.bedrock import to_converse
+from gateway.protocols.chat import UpstreamAnswerError
+from gateway.protocols.embeddings import embeddings_list
+from gateway.providers.bedrock import BedrockProvider
 from gateway.testing.fake_bedrock import BedrockFake, make_app
+from gateway.testing.fake_vendor import unit_vector
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, sse_payloads
 from tests.fleet import fleet_config, records
 
@@ -281,11 +290,6 @@ async def test_a_signature_scoped_to_another_region_than_the_endpoints_is_refuse
 
 
 async def test_the_default_endpoint_host_follows_the_deployments_region(tmp_path: Path) -> None:
-    import aiohttp
-
-    from gateway.core.config import Deployment
-    from gateway.providers.bedrock import BedrockProvider
-
     path = tmp_path / "g.yaml"
     path.write_text(fleet_config({"aws": {"type": "bedrock", "region": "eu-central-1"}},
                                  [{"name": "m", "deployments": [{"provider": "aws", "model": HAIKU}]}]))
@@ -326,9 +330,6 @@ async def embed_gw(gateway_factory: Any, bedrock: tuple[BedrockFake, str]) -> Ga
 async def test_titan_embeddings_one_signed_invoke_per_input_billed_from_its_token_counts(
     embed_gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str, db_pool: asyncpg.Pool
 ) -> None:
-    from gateway.core.tokens import count_tokens
-    from gateway.testing.fake_vendor import unit_vector
-
     fake, _ = bedrock
     request_id = f"be-{uuid.uuid4().hex[:10]}"
     client = openai.AsyncOpenAI(base_url=embed_gw.url("/v1"), api_key=api_key, max_retries=0,
@@ -355,8 +356,6 @@ async def test_titan_embeddings_one_signed_invoke_per_input_billed_from_its_toke
 async def test_cohere_embeddings_one_invoke_for_all_inputs_tokens_from_the_header(
     embed_gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str
 ) -> None:
-    from gateway.core.tokens import count_tokens
-
     fake, _ = bedrock
     resp = await embed_gw.data.post("/v1/embeddings", json={"model": "cohere", "input": ["one", "two two"]},
                                     headers=auth(api_key))
@@ -433,8 +432,6 @@ async def test_passthrough_re_signs_the_forwarded_request_and_bills_its_usage(
 async def test_passthrough_relays_the_event_stream_byte_for_byte_and_reads_its_usage(
     gw: Gateway, bedrock: tuple[BedrockFake, str], api_key: str, db_pool: asyncpg.Pool
 ) -> None:
-    from botocore.eventstream import EventStreamBuffer
-
     request_id = f"bs-{uuid.uuid4().hex[:10]}"
     body = {"messages": [{"role": "user", "content": [{"text": "stream it natively"}]}]}
     resp = await gw.data.post(f"/passthrough/aws/model/{HAIKU}/converse-stream", json=body,
@@ -493,10 +490,6 @@ async def test_temporary_container_credentials_are_refreshed_when_botocore_says_
 async def test_passthrough_invoke_with_response_stream_relays_chunks_and_bills_the_invocation_metrics(
     gw: Gateway, api_key: str, db_pool: asyncpg.Pool
 ) -> None:
-    import base64
-
-    from botocore.eventstream import EventStreamBuffer
-
     request_id = f"bw-{uuid.uuid4().hex[:10]}"
     body = {"anthropic_version": "bedrock-2023-05-31", "max_tokens": 64,
             "messages": [{"role": "user", "content": "invoke and stream"}]}
@@ -523,3 +516,12 @@ async def test_a_whole_answer_past_max_response_bytes_is_a_provider_failure(
         [{"name": "cohere", "deployments": [{"provider": "aws", "model": COHERE}]}]))
     resp = await gw.data.post("/v1/embeddings", json={"model": "cohere", "input": "x"}, headers=auth(api_key))
     assert resp.status == 502 and (await resp.json())["error"]["code"] == "upstream_unavailable"
+
+
+def test_translated_embeddings_answer_base64_when_asked() -> None:
+    floats = embeddings_list([[0.5, -0.25]], model="m", prompt_tokens=3, body={"input": "x"})
+    assert floats["data"][0]["embedding"] == [0.5, -0.25] and floats["usage"] == {"prompt_tokens": 3, "total_tokens": 3}
+    encoded = embeddings_list([[0.5, -0.25]], model="m", prompt_tokens=3, body={"encoding_format": "base64"})
+    assert struct.unpack("<2f", base64.b64decode(encoded["data"][0]["embedding"])) == (0.5, -0.25)
+    with pytest.raises(UpstreamAnswerError):
+        embeddings_list([["not", "numbers"]], model="m", prompt_tokens=0, body={})

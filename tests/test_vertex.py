@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,13 @@ import pytest
 from aiohttp.test_utils import TestServer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+from google.auth.compute_engine import _metadata
 
 from gateway.core import extras
 from gateway.core.config import ConfigError, load_config, load_settings
+from gateway.core.tokens import count_tokens
 from gateway.providers.vertex import VertexProvider
+from gateway.testing.fake_vendor import unit_vector
 from gateway.testing.fake_vertex import VertexFake, make_app
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, sse_payloads
 from tests.fleet import fleet_config, records
@@ -212,11 +216,6 @@ async def test_embeddings_go_to_predict_and_are_billed_from_vertex_token_counts(
     gateway_factory: Any, vertex: tuple[VertexFake, str], api_key: str, tmp_path: Path,
     signing_key: rsa.RSAPrivateKey, db_pool: asyncpg.Pool, key_factory: Any,
 ) -> None:
-    from decimal import Decimal
-
-    from gateway.core.tokens import count_tokens
-    from gateway.testing.fake_vendor import unit_vector
-
     fake, url = vertex
     credentials = service_account_file(tmp_path, signing_key, f"{url}/token", fake.client_email)
     gw = await gateway_factory(config_yaml=fleet_config(
@@ -262,8 +261,6 @@ async def test_without_a_key_file_the_metadata_servers_token_is_used(
 ) -> None:
     """Application Default Credentials on GCE / GKE / Cloud Run: no key file, no gcloud
     login, so google-auth finds the metadata server and takes its service account's token."""
-    from google.auth.compute_engine import _metadata
-
     fake, url = vertex
     host = url.removeprefix("http://")
     for name in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT"):
