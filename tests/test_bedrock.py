@@ -525,3 +525,32 @@ def test_translated_embeddings_answer_base64_when_asked() -> None:
     assert struct.unpack("<2f", base64.b64decode(encoded["data"][0]["embedding"])) == (0.5, -0.25)
     with pytest.raises(UpstreamAnswerError):
         embeddings_list([["not", "numbers"]], model="m", prompt_tokens=0, body={})
+
+
+async def test_web_identity_credentials_come_from_sts(
+    gateway_factory: Any, bedrock: tuple[BedrockFake, str], api_key: str, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """EKS IRSA / any OIDC federation: a role and a token file; botocore asks STS."""
+    fake, url = bedrock
+    token_file = tmp_path / "token"
+    token_file.write_text(fake.web_identity_token)
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    monkeypatch.setenv("AWS_ROLE_ARN", "arn:aws:iam::123456789012:role/gateway")
+    monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(token_file))
+    monkeypatch.setenv("AWS_ENDPOINT_URL_STS", f"{url}/sts")
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"aws": bedrock_provider(url)}, [{"name": "haiku", "deployments": [{"provider": "aws", "model": HAIKU}]}]))
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="haiku"), headers=auth(api_key))
+    assert resp.status == 200, await resp.text()
+    (sts,) = [c for c in fake.state.calls if c.path == "/sts"]
+    assert sts.body["RoleArn"] == "arn:aws:iam::123456789012:role/gateway"
+    assert fake.signatures[-1]["token"] == fake.state.issued_tokens[0] == "web-identity-token-1"
+    token_file.write_text("a token STS does not accept")
+    fake.signatures.clear()
+    gw2 = await gateway_factory(config_yaml=fleet_config(
+        {"aws": bedrock_provider(url)}, [{"name": "haiku", "deployments": [{"provider": "aws", "model": HAIKU}]}]))
+    resp = await gw2.data.post("/v1/chat/completions", json=chat_body(model="haiku"), headers=auth(api_key))
+    assert resp.status == 502 and fake.signatures == []  # no credentials: nothing is sent to Bedrock
+    assert (await resp.json())["error"]["code"] == "upstream_unavailable"

@@ -40,6 +40,7 @@ import yarl
 from botocore.auth import SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.eventstream import EventStreamBuffer, ParserError
+from botocore.exceptions import BotoCoreError, ClientError
 from botocore.session import Session as BotocoreSession
 
 from gateway.core.config import Deployment, ProviderConfig
@@ -137,6 +138,9 @@ class BedrockProvider(Provider):
             credentials = await self._credentials.current()
         except LookupError as exc:
             raise UpstreamProtocolError(str(exc)) from None
+        except (BotoCoreError, ClientError, OSError) as exc:
+            # STS, the container endpoint or IMDS refused or failed: named, never a secret.
+            raise UpstreamProtocolError(f"no AWS credentials: {type(exc).__name__}: {exc}") from None
         request = AWSRequest(method=method, url=url, data=body, headers=dict(headers))
         SigV4Auth(credentials, SIGNING_SERVICE, self.region).add_auth(request)
         return dict(request.headers.items())

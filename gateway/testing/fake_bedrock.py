@@ -21,6 +21,11 @@ The Claude models also answer InvokeModel with Anthropic's Messages body
 ``AWS_CONTAINER_CREDENTIALS_FULL_URI``): it answers the fake's key pair with a fresh session
 token (``container-token-N``) expiring ``container_lifetime`` seconds from now.
 
+``POST /sts`` is STS's ``AssumeRoleWithWebIdentity`` (for ``AWS_ENDPOINT_URL_STS``, with
+``AWS_ROLE_ARN`` and ``AWS_WEB_IDENTITY_TOKEN_FILE``): the form's ``WebIdentityToken``
+must be the fake's ``web_identity_token`` (STS verifies the OIDC token), and the answer is
+STS's XML with the fake's key pair and a fresh session token (``web-identity-token-N``).
+
 InvokeModel bodies are the model's own: Amazon Titan Text Embeddings V2
 (``amazon.titan-embed-text-v2:0``: ``inputText``, ``dimensions`` 256 / 512 / 1024,
 ``normalize``, ``embeddingTypes``; answers ``embedding``, ``inputTextTokenCount``,
@@ -80,6 +85,8 @@ class BedrockFake:
     state: VendorState = field(default_factory=VendorState)
     #: Lifetime of the temporary credentials ``/container-credentials`` hands out.
     container_lifetime: int = 3600
+    #: The OIDC token STS accepts for ``AssumeRoleWithWebIdentity``.
+    web_identity_token: str = "eyJraWQiOiJmYWtlIn0.fake-oidc-token.sig"
     #: What each verified request was signed with (date, signed header names, token, region).
     signatures: list[dict[str, Any]] = field(default_factory=list)
 
@@ -313,6 +320,32 @@ async def _container_credentials(request: web.Request) -> web.Response:
                           "Expiration": expiry, "RoleArn": "arn:aws:iam::123456789012:role/gateway"})
 
 
+async def _sts(request: web.Request) -> web.Response:
+    fake: BedrockFake = request.app[_FAKE_KEY]
+    form = await fake.state.record(request)
+    if not isinstance(form, dict) or form.get("Action") != "AssumeRoleWithWebIdentity":
+        return web.Response(status=400, content_type="text/xml", text="<ErrorResponse><Error><Code>InvalidAction"
+                            "</Code></Error></ErrorResponse>")
+    if form.get("WebIdentityToken") != fake.web_identity_token or not form.get("RoleArn"):
+        return web.Response(status=400, content_type="text/xml", text=(
+            '<ErrorResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/"><Error><Type>Sender</Type>'
+            "<Code>InvalidIdentityToken</Code><Message>Couldn't retrieve verification key from your identity "
+            "provider</Message></Error><RequestId>fake</RequestId></ErrorResponse>"))
+    token = f"web-identity-token-{len(fake.state.issued_tokens) + 1}"
+    fake.state.issued_tokens.append(token)
+    expiry = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + fake.container_lifetime))
+    role = str(form["RoleArn"]).rpartition("/")[2]
+    return web.Response(content_type="text/xml", text=(
+        '<AssumeRoleWithWebIdentityResponse xmlns="https://sts.amazonaws.com/doc/2011-06-15/">'
+        "<AssumeRoleWithWebIdentityResult><SubjectFromWebIdentityToken>system:serviceaccount:ai:gateway"
+        "</SubjectFromWebIdentityToken><AssumedRoleUser><AssumedRoleId>AROAFAKE:session</AssumedRoleId>"
+        f"<Arn>arn:aws:sts::123456789012:assumed-role/{role}/session</Arn></AssumedRoleUser><Credentials>"
+        f"<SessionToken>{token}</SessionToken><SecretAccessKey>{fake.secret_key}</SecretAccessKey>"
+        f"<Expiration>{expiry}</Expiration><AccessKeyId>{fake.access_key}</AccessKeyId></Credentials>"
+        "<Audience>sts.amazonaws.com</Audience></AssumeRoleWithWebIdentityResult>"
+        "<ResponseMetadata><RequestId>fake-sts</RequestId></ResponseMetadata></AssumeRoleWithWebIdentityResponse>"))
+
+
 _FAKE_KEY = web.AppKey("bedrock_fake", BedrockFake)
 
 
@@ -322,6 +355,7 @@ def make_app(fake: BedrockFake) -> web.Application:
     app[_FAKE_KEY] = fake
     app[STATE_KEY] = fake.state
     app.router.add_get("/container-credentials", _container_credentials)
+    app.router.add_post("/sts", _sts)
     operations = "{operation:converse|converse-stream|invoke|invoke-with-response-stream}"
     app.router.add_post(f"/model/{{model}}/{operations}", _model_route)
     app.router.add_post(f"/{{region}}/model/{{model}}/{operations}", _model_route)
