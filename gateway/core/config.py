@@ -104,6 +104,8 @@ DEFAULT_BASE_URLS = {
 }
 #: Types whose endpoints follow from their region or location (no base_url needed).
 _NO_BASE_URL = frozenset({"mock", "bedrock", "vertex"})
+#: Types whose deployments may each name their own region (``models[].deployments[].region``).
+_REGIONAL = frozenset({"bedrock"})
 
 #: A duration in seconds as the file writes it; zero would mean "time out at once".
 Seconds = Annotated[Number, Field(ge=0.001)]
@@ -272,11 +274,14 @@ class Deployment(_Section):
     #: (gateway/relay/headroom.py): a deployment out of room is skipped, not sent a 429.
     rpm: Annotated[StrictInt, Field(ge=1)] | None = None
     tpm: Annotated[StrictInt, Field(ge=1)] | None = None
+    #: The cloud region serving this deployment, where its provider type has regions
+    #: (``bedrock``); None means the provider's own ``region``.
+    region: NonEmpty | None = None
 
     @property
     def id(self) -> str:
-        """Stable, bounded identifier used in metrics and the breaker."""
-        return f"{self.provider}/{self.model}"
+        """Stable, bounded identifier used in metrics and the breaker (one per region)."""
+        return f"{self.provider}/{self.model}" if self.region is None else f"{self.provider}/{self.model}@{self.region}"
 
 
 @dataclass(frozen=True, config=SHAPE)
@@ -472,6 +477,9 @@ def _check_references(config: GatewayConfig) -> None:
         for j, d in enumerate(m.deployments):
             if d.provider not in config.providers:
                 raise ConfigError(f"models[{i}].deployments[{j}].provider: unknown provider {d.provider!r}")
+            if d.region is not None and config.providers[d.provider].type not in _REGIONAL:
+                raise ConfigError(f"models[{i}].deployments[{j}].region: provider {d.provider!r} "
+                                  f"is of type {config.providers[d.provider].type}; only bedrock deployments take a region")
     for i, m in enumerate(config.models):
         if m.name in names[:i]:  # name the second definition: the first one was fine
             raise ConfigError(f"models[{i}].name: {m.name!r} is defined twice")
