@@ -58,7 +58,7 @@ def _analyzer(language: str, spacy_model: str | None) -> Any:
         """spaCy's blank pipeline: tokens only, nothing to load."""
 
         def load(self) -> None:
-            self.nlp = {language: spacy.blank(language)}
+            self.nlp = {language: spacy.blank(language)}  # type: ignore[assignment,unused-ignore]
 
     models = [{"lang_code": language, "model_name": spacy_model or f"blank:{language}"}]
     engine = SpacyNlpEngine(models=models) if spacy_model is not None else _BlankEngine(models=models)
@@ -73,9 +73,13 @@ def _analyzer(language: str, spacy_model: str | None) -> Any:
     finally:
         presidio_log.setLevel(level)
     analyzer = AnalyzerEngine(nlp_engine=engine, registry=registry, supported_languages=[language])
-    # The e-mail recognizer's domain check reads the public-suffix list on first use
-    # (tldextract: a fetch, else its bundled copy); done here, at start, never on a call.
-    analyzer.analyze(text="warm-up mail a@example.com", language=language)
+    # The e-mail recognizer's domain check reads the public-suffix list through tldextract,
+    # whose default extractor fetches it from the internet on first use. The gateway never
+    # reaches out at run time: the copy bundled with tldextract is used instead.
+    import tldextract.tldextract
+
+    tldextract.tldextract.TLD_EXTRACTOR = tldextract.TLDExtract(suffix_list_urls=(), cache_dir=None)
+    analyzer.analyze(text="warm-up mail a@example.com", language=language)  # at start, never on a call
     return analyzer
 
 
