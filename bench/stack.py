@@ -250,6 +250,9 @@ class StackOptions:
     gateway_env: dict[str, str] = field(default_factory=dict)
     #: ``serve --workers N``; with N > 1 the gateway is not pinned (its workers need every CPU).
     gateway_workers: int = 1
+    #: Give the bench key its USD 1,000,000 budget (a reservation on every call); False
+    #: (``--no-budget``) measures what the budget costs.
+    key_budget: bool = True
 
 
 def _with_db(dsn: str, name: str) -> str:
@@ -384,8 +387,10 @@ class Stack:
         argv = [
             sys.executable, "-m", "gateway", "keys", "create", "--name", "bench", "--json",
             "--rpm", "100000000", "--window-seconds", "60", "--tpm", "1000000000",
-            "--max-concurrent", "100000", "--budget-usd", "1000000", "--budget-period", "total",
+            "--max-concurrent", "100000",
         ]
+        if self.options.key_budget:
+            argv += ["--budget-usd", "1000000", "--budget-period", "total"]
         proc = await asyncio.create_subprocess_exec(
             *argv, cwd=str(REPO), env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
         )
@@ -493,6 +498,7 @@ class Stack:
             "gateway_cpu": self.server_cpu if self.pinned else None,
             "load_cpu": self.load_cpu if self.pinned else None,
             "redis": bool(self.options.redis_url),
+            "key_budget": self.options.key_budget,
             "features": self.features(),
         }
 
