@@ -6,7 +6,9 @@
 -- is locked once (the same transaction-scoped advisory lock as budget_reserve(), so
 -- replicas running either function exclude each other), in the order given (the caller
 -- sorts them, so no deadlock); its spend and open reservations are read once, in one
--- snapshot, and the batch's admissions are counted on top as they are decided.
+-- snapshot, and the batch's admissions are counted on top as they are decided. The locks
+-- last one statement (this function, in autocommit), never a longer transaction, and no
+-- row lock is waited for.
 --
 -- Parameters: per call (in arrival order) its reservation id, amount (micro-USD) and TTL
 -- (seconds); the distinct budgets (parallel arrays, in lock order); per (call, budget)
@@ -35,9 +37,14 @@ BEGIN
   FOR i IN 1 .. coalesce(array_length(p_scopes, 1), 0) LOOP
     PERFORM pg_advisory_xact_lock(
       hashtextextended(p_scopes[i] || ':' || p_ids[i] || ':' || p_periods[i] || ':' || p_starts[i], 24));
+    -- Housekeeping only (expired rows are not counted below either), so it never waits
+    -- on a row another transaction holds (a ledger batch deleting it as it ships).
     DELETE FROM budget_reservations r
-     WHERE r.scope = p_scopes[i] AND r.id = p_ids[i] AND r.period = p_periods[i]
-       AND r.period_start = p_starts[i] AND r.expires_at <= now();
+     WHERE r.ctid = ANY (ARRAY(
+       SELECT x.ctid FROM budget_reservations x
+        WHERE x.scope = p_scopes[i] AND x.id = p_ids[i] AND x.period = p_periods[i]
+          AND x.period_start = p_starts[i] AND x.expires_at <= now()
+        FOR UPDATE SKIP LOCKED));
     SELECT coalesce((SELECT ceil(s.cost_usd * 1000000) FROM budget_spend s
                       WHERE s.scope = p_scopes[i] AND s.id = p_ids[i] AND s.period = p_periods[i]
                         AND s.period_start = CASE p_periods[i] WHEN 'total' THEN DATE '-infinity'

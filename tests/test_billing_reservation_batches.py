@@ -338,3 +338,48 @@ async def test_postgresql_batches_and_single_reservations_of_an_older_replica_sh
     assert await db_pool.fetchval(
         "SELECT budget_reserve($1, $2, $3, $4, $5, $6, $7, $8)", uuid.uuid4(), [budget.scope], [budget.id],
         [budget.period], [budget.start], [budget.limit_micro_usd], 11, 60.0) == 1  # 90 + 11 > 100
+
+
+async def test_postgresql_expired_reservations_stop_counting_and_a_locked_one_is_never_waited_for(
+    make_store: Any, db_pool: asyncpg.Pool
+) -> None:
+    """An expired reservation no longer counts and is deleted by the next batch on its
+    budget, except one another transaction holds (a ledger batch deleting it as it ships):
+    the batch skips it rather than wait for that transaction to end."""
+    store = await make_store("postgresql", Faults())
+    budget = key_budget(100)
+    stale, held = Reservation(uuid.uuid4(), 60, (budget,)), Reservation(uuid.uuid4(), 40, (budget,))
+    assert await asyncio.gather(store.reserve(stale, 0.05), store.reserve(held, 0.05)) == [None, None]
+    await asyncio.sleep(0.1)
+    async with db_pool.acquire() as conn, conn.transaction():
+        await conn.execute("SELECT 1 FROM budget_reservations WHERE reservation_id = $1 FOR UPDATE", held.reservation_id)
+        whole = Reservation(uuid.uuid4(), 100, (budget,))
+        assert await asyncio.wait_for(store.reserve(whole, 60), timeout=1.5) is None  # neither counts any more
+    left = {r["reservation_id"] for r in await db_pool.fetch(
+        "SELECT reservation_id FROM budget_reservations WHERE id = $1", budget.id)}
+    assert left == {held.reservation_id, whole.reservation_id}  # the stale one deleted, the locked one skipped
+
+
+# -- through a running gateway -------------------------------------------------------------
+async def test_concurrent_budgeted_calls_during_a_redis_outage_are_all_refused_503_and_none_is_sent(
+    gateway_factory: Any, fake: Any, key_factory: Any, redis_url: str, redis_proxy: Any
+) -> None:
+    from tests.conftest import auth, chat_body, redis_via
+    from tests.test_billing_reservations import priced
+
+    gw = await gateway_factory(env={"REDIS_URL": redis_via(redis_url, redis_proxy.port)}, config_yaml=priced(fake.url))
+    key, _ = await key_factory(budget_usd=Decimal("10"), budget_period="day", rate_limit_requests=100_000)
+    body = chat_body("hello there", max_tokens=1)
+
+    async def call() -> tuple[int, Any]:
+        resp = await gw.data.post("/v1/chat/completions", json=body, headers=auth(key))
+        return resp.status, (await resp.json())["error"]["code"] if resp.status != 200 else None
+
+    assert await call() == (200, None)
+    before = (await fake.stats())["requests"]
+    await redis_proxy.cut()
+    answers = await asyncio.gather(*(call() for _ in range(20)))
+    assert answers == [(503, "budget_unavailable")] * 20, answers
+    assert (await fake.stats())["requests"] == before  # fail closed: nothing sent
+    batcher = gw.state.billing._gate.store.batcher
+    assert batcher.round_trips < batcher.items  # the twenty shared round trips
