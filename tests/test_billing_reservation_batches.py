@@ -195,6 +195,23 @@ async def test_a_caller_that_stops_waiting_is_dropped_or_its_answer_handed_to_lo
     assert coalescer.round_trips == 1  # the queued one was never sent
 
 
+async def test_round_trips_run_in_a_context_of_their_own_not_the_first_callers() -> None:
+    """A batch serves every caller, so its log lines must not carry the request id of
+    whichever call happened to start it."""
+    from gateway.observability.logs import _REQUEST_ID
+
+    seen: list[str | None] = []
+
+    async def send(items: list[int]) -> list[int]:
+        seen.append(_REQUEST_ID.get())
+        return items
+
+    coalescer: Coalescer[int, int] = Coalescer(send)
+    _REQUEST_ID.set("req-first")
+    assert await coalescer.submit(1) == 1
+    assert seen == [None]
+
+
 # -- both stores ---------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", STORES)
 async def test_fifty_concurrent_reservations_on_ten_calls_worth_admit_exactly_the_first_ten_in_few_round_trips(

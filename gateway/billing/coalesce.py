@@ -20,6 +20,7 @@ at once instead of holding its budget until it expires.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -68,7 +69,10 @@ class Coalescer(Generic[Item, Answer]):
         future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._waiting.append((item, future))
         if self._runner is None:
-            self._runner = asyncio.get_running_loop().create_task(self._run(), name=f"coalesce:{self._name}")
+            # A context of its own: the round trips serve every caller, not the first one
+            # (whose request id its log lines would otherwise carry).
+            self._runner = asyncio.get_running_loop().create_task(
+                self._run(), name=f"coalesce:{self._name}", context=contextvars.Context())
         return await future
 
     async def close(self) -> None:
