@@ -400,3 +400,17 @@ async def test_concurrent_budgeted_calls_during_a_redis_outage_are_all_refused_5
     assert (await fake.stats())["requests"] == before  # fail closed: nothing sent
     batcher = gw.state.billing._gate.store.batcher
     assert batcher.round_trips < batcher.items  # the twenty shared round trips
+
+
+async def test_a_round_trip_without_an_answer_in_time_fails_its_calls_with_a_timeout_that_says_so() -> None:
+    lost: list[tuple[int, int | None]] = []
+
+    async def send(items: list[int]) -> list[int]:
+        await asyncio.sleep(10)
+        return items
+
+    coalescer: Coalescer[int, int] = Coalescer(send, timeout=0.05, lost=lost.extend, name="test store")
+    results = await asyncio.gather(coalescer.submit(1), coalescer.submit(2), return_exceptions=True)
+    assert all(isinstance(r, TimeoutError) and "no answer from the test store within 0.05 s" in str(r)
+               for r in results), results
+    assert lost == [(1, None), (2, None)]  # perhaps admitted: released

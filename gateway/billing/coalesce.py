@@ -111,6 +111,10 @@ class Coalescer(Generic[Item, Answer]):
         except asyncio.CancelledError:
             self._fail(batch, RuntimeError(f"the {self._name}'s round trip was cancelled"))
             raise
+        except TimeoutError:
+            self._fail(batch, TimeoutError(f"no answer from the {self._name} within {self._timeout:g} s "
+                                           f"({len(batch)} call(s) in the round trip)"))
+            return
         except Exception as exc:  # noqa: BLE001 - every caller of the batch gets it
             self._fail(batch, exc)
             return
