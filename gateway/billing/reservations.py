@@ -216,8 +216,8 @@ async def keep_session(conn: asyncpg.Connection) -> None:
     PostgreSQL's CPU, on the gateway's host). A connection that only runs
     ``budget_reserve_batch()`` and the release of reservations never holds a session lock,
     a cursor, a LISTEN or a setting (its advisory locks are transaction-scoped), so there
-    is nothing to reset; asyncpg
-    still rolls back an open transaction client-side before calling this.
+    is nothing to reset; asyncpg still rolls back an open transaction client-side before
+    calling this.
     """
 
 
