@@ -6,7 +6,8 @@
 S4's situation without the HTTP around it: ``N`` calls of one budgeted key reserve at
 once. Measured for each store as the gateway uses it (``PostgresReservations`` on its
 own pool, ``RedisReservations``): the wall time until every call has its answer, the
-round trips that took and the calls per round trip; and, for comparison, the same burst
+round trips that took and the calls per round trip, and the CPU this (the gateway's)
+process spent per call (the store's own CPU is not in it); and, for comparison, the same burst
 sent one call per statement through ``budget_reserve()`` (sql/0010, what every call did
 before reservations were batched) on a pool of 10 connections, as the gateway had.
 Every call fits (the budget is far above the burst), so every one is admitted.
@@ -47,20 +48,23 @@ def _budget() -> Budget:
     return Budget("key", uuid.uuid4(), "total", period_start("total"), limit_micro_usd=10**15)
 
 
-async def _burst(reserve: Callable[[Reservation], Awaitable[Any]], budget: Budget, calls: int) -> float:
-    started = time.perf_counter()
-    answers = await asyncio.gather(*(reserve(Reservation(uuid.uuid4(), 1000, (budget,))) for _ in range(calls)))
-    elapsed = time.perf_counter() - started
+async def _burst(reserve: Callable[[Reservation], Awaitable[Any]], budget: Budget, calls: int) -> tuple[float, float]:
+    """Wall seconds until every call has its answer, and this process's CPU seconds meanwhile."""
+    reservations = [Reservation(uuid.uuid4(), 1000, (budget,)) for _ in range(calls)]
+    started, cpu = time.perf_counter(), time.process_time()
+    answers = await asyncio.gather(*(reserve(r) for r in reservations))
+    elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu
     if any(a not in (None, 0) for a in answers):
         raise RuntimeError(f"a call of the burst was refused: {answers}")
-    return elapsed
+    return elapsed, cpu
 
 
-def _line(name: str, times: list[float], calls: int, round_trips: int | None = None) -> None:
-    median = statistics.median(times) * 1000
+def _line(name: str, bursts: list[tuple[float, float]], calls: int, round_trips: int | None = None) -> None:
+    times = [wall for wall, _ in bursts]
+    cpu_us = statistics.median(cpu for _, cpu in bursts) * 1e6 / calls
     per_trip = f", {calls * len(times) / round_trips:.0f} calls per round trip ({round_trips} round trips)" if round_trips else ""
-    print(f"  {name}: {calls} calls answered in {median:,.0f} ms (median of {len(times)}; "
-          f"min {min(times) * 1000:,.0f} ms){per_trip}")
+    print(f"  {name}: {calls} calls answered in {statistics.median(times) * 1000:,.0f} ms (median of {len(times)}; "
+          f"min {min(times) * 1000:,.0f} ms), client CPU {cpu_us:,.0f} µs per call{per_trip}")
 
 
 async def _postgres(dsn: str, calls: int, rounds: int) -> None:
@@ -98,7 +102,7 @@ async def _redis(dsn: str, url: str, calls: int, rounds: int) -> None:
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4)
     store = RedisReservations(client, pool, prefix=f"{prefix}:budget")
     try:
-        times = []
+        times: list[tuple[float, float]] = []
         for _ in range(rounds):
             budget = _budget()
             await store._seed(budget)  # as a budget in use is: seeded once, long before
