@@ -261,6 +261,31 @@ async def test_a_batch_over_shared_and_separate_budgets_answers_each_call_as_one
 
 
 @pytest.mark.parametrize("kind", STORES)
+async def test_a_budget_whose_limit_changed_within_a_batch_is_still_one_budget(
+    kind: str, make_store: Any, db_pool: asyncpg.Pool
+) -> None:
+    """Two calls of one batch hold the same budget to different limits (it was raised in
+    between): the budget is counted once, each call against its own limit, as one by one."""
+    import dataclasses
+
+    faults = Faults(hold=asyncio.Event())
+    store = await make_store(kind, faults)
+    before = key_budget(100)
+    raised = dataclasses.replace(before, limit_micro_usd=150)
+    blocker = Reservation(uuid.uuid4(), 1, (key_budget(10),))
+    await seeded(kind, store, before, *blocker.budgets)
+    first = asyncio.ensure_future(store.reserve(blocker, 60))
+    await asyncio.sleep(0.05)
+    batch = [asyncio.ensure_future(store.reserve(Reservation(uuid.uuid4(), 80, (b,)), 60)) for b in (before, raised)]
+    await asyncio.sleep(0.05)
+    faults.hold.set()
+    assert await first is None
+    assert await asyncio.gather(*batch) == [None, 0]  # 80 <= 100; 80 + 80 > 150
+    assert faults.round_trips == 2
+    assert await open_reservations(kind, store, db_pool, before) == 80
+
+
+@pytest.mark.parametrize("kind", STORES)
 async def test_a_failed_round_trip_fails_every_call_it_carried_closed_with_503(
     kind: str, make_store: Any, db_pool: asyncpg.Pool
 ) -> None:

@@ -171,13 +171,15 @@ class _Plan:
     __slots__ = ("budgets", "pair_budgets", "pair_calls", "pair_limits", "slots")
 
     def __init__(self, reservations: Sequence[Reservation]) -> None:
-        distinct: dict[str, Budget] = {}
+        # A budget is who, which period and since when; never its limit: a limit changed
+        # between two calls of one batch is still the one budget, counted once.
+        distinct: dict[tuple[str, uuid.UUID, str, date], Budget] = {}
         for reservation in reservations:
-            for budget in reservation.budgets:
-                distinct.setdefault(budget.redis_name, budget)
+            for b in reservation.budgets:
+                distinct.setdefault((b.scope, b.id, b.period, b.start), b)
         self.budgets = sorted(distinct.values(), key=lambda b: (b.scope, str(b.id), b.period, b.start))
-        index = {b.redis_name: i for i, b in enumerate(self.budgets)}
-        self.slots = [[index[b.redis_name] for b in r.budgets] for r in reservations]
+        index = {(b.scope, b.id, b.period, b.start): i for i, b in enumerate(self.budgets)}
+        self.slots = [[index[(b.scope, b.id, b.period, b.start)] for b in r.budgets] for r in reservations]
         #: Per (call, budget) pair, grouped by call: 1-based call and budget, and the limit.
         self.pair_calls = [call + 1 for call, slots in enumerate(self.slots) for _ in slots]
         self.pair_budgets = [slot + 1 for slots in self.slots for slot in slots]
