@@ -439,3 +439,54 @@ async def test_a_round_trip_without_an_answer_in_time_fails_its_calls_with_a_tim
     assert all(isinstance(r, TimeoutError) and "no answer from the test store within 0.05 s" in str(r)
                for r in results), results
     assert lost == [(1, None), (2, None)]  # perhaps admitted: released
+
+
+#: The reserve script of the version before batching (one call per script), kept verbatim:
+#: replicas of that version share Redis with batching ones during a rolling upgrade.
+PREVIOUS_RESERVE_LUA = """
+local n = #KEYS / 2
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local id, amount, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+for i = 1, n do
+  local h, z = KEYS[2 * i - 1], KEYS[2 * i]
+  local spent = redis.call('HGET', h, 'spent')
+  if not spent then return {-1, i} end
+  local expired = redis.call('ZRANGEBYSCORE', z, '-inf', now)
+  for _, r in ipairs(expired) do redis.call('HDEL', h, 'r:' .. r) end
+  if #expired > 0 then redis.call('ZREMRANGEBYSCORE', z, '-inf', now) end
+  local used = tonumber(spent)
+  local all = redis.call('HGETALL', h)
+  for j = 1, #all, 2 do
+    if string.sub(all[j], 1, 2) == 'r:' then used = used + tonumber(all[j + 1]) end
+  end
+  if used + amount > tonumber(ARGV[3 + n + i]) then return {0, i} end
+end
+for i = 1, n do
+  local h, z = KEYS[2 * i - 1], KEYS[2 * i]
+  redis.call('HSET', h, 'r:' .. id, amount)
+  redis.call('ZADD', z, now + ttl, id)
+  local keep = tonumber(ARGV[3 + i])
+  if keep > 0 then redis.call('EXPIRE', h, keep); redis.call('EXPIRE', z, keep) end
+end
+return {1}
+"""
+
+
+async def test_redis_batches_and_an_older_replicas_one_call_script_count_each_other(
+    make_store: Any, db_pool: asyncpg.Pool
+) -> None:
+    store = await make_store("redis", Faults())
+    budget = key_budget(100)
+    await seeded("redis", store, budget)
+    older = store._redis.register_script(PREVIOUS_RESERVE_LUA)
+    keys = [f"{store._prefix}:{budget.redis_name}", f"{store._prefix}:{budget.redis_name}:exp"]
+
+    async def older_reserve(amount: int) -> list[int]:
+        args = [str(uuid.uuid4()), amount, 60_000, 0, budget.limit_micro_usd]
+        return [int(x) for x in await older(keys=keys, args=args)]
+
+    assert await older_reserve(60) == [1]
+    answers = await asyncio.gather(*(store.reserve(Reservation(uuid.uuid4(), 30, (budget,)), 60) for _ in range(2)))
+    assert answers == [None, 0]  # 60 + 30 fits, 60 + 30 + 30 does not
+    assert await older_reserve(11) == [0, 1]  # 90 + 11 > 100
