@@ -255,6 +255,19 @@ class StackOptions:
     key_budget: bool = True
 
 
+def key_create_argv(*, budget: bool) -> list[str]:
+    """``keys create`` for the bench key: limits generous enough to be checked, never hit,
+    and (``budget``) a USD 1,000,000 budget, so every call holds a reservation."""
+    argv = [
+        sys.executable, "-m", "gateway", "keys", "create", "--name", "bench", "--json",
+        "--rpm", "100000000", "--window-seconds", "60", "--tpm", "1000000000",
+        "--max-concurrent", "100000",
+    ]
+    if budget:
+        argv += ["--budget-usd", "1000000", "--budget-period", "total"]
+    return argv
+
+
 def _with_db(dsn: str, name: str) -> str:
     base, _, rest = dsn.rpartition("/")
     query = "?" + rest.split("?", 1)[1] if "?" in rest else ""
@@ -384,13 +397,7 @@ class Stack:
     async def _create_key(self) -> str:
         """A real key through the CLI, with limits generous enough to be checked, never hit."""
         env = {**self._base_env(), "DATABASE_URL": self.database_url}
-        argv = [
-            sys.executable, "-m", "gateway", "keys", "create", "--name", "bench", "--json",
-            "--rpm", "100000000", "--window-seconds", "60", "--tpm", "1000000000",
-            "--max-concurrent", "100000",
-        ]
-        if self.options.key_budget:
-            argv += ["--budget-usd", "1000000", "--budget-period", "total"]
+        argv = key_create_argv(budget=self.options.key_budget)
         proc = await asyncio.create_subprocess_exec(
             *argv, cwd=str(REPO), env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
         )

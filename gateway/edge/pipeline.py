@@ -41,9 +41,11 @@ from gateway.edge import telemetry
 from gateway.edge.dispatch import NativeCall, dispatch
 from gateway.edge.ratelimit import admit
 from gateway.edge.relays import StreamCut, StreamRelay
+from gateway.edge.request_capture import BodyCapture, capture_for
 from gateway.guardrails.engine import GuardrailEngine
 from gateway.guardrails.policies import Decision
 from gateway.guardrails.relays import stream_guard
+from gateway.guardrails.stream_checks import stream_checks
 from gateway.http.admission import ShuttingDown, is_shutdown
 from gateway.http.bodies import bearer_token, read_json_body
 from gateway.http.middleware import request_id_of
@@ -143,6 +145,10 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
             _record_refusal(state, request, protocol, key.api_key_id, key.subject_id, parsed, exc)
             raise
         body = parsed.body
+    # Request logs: only what passed the input policies is ever kept (a refused prompt is not).
+    capture = capture_for(state, route.group.name, key.key_prefix)
+    if capture is not None:
+        capture.request = parsed.native.body if parsed.native is not None else body
     cache = None if state.cache is None or not _cacheable(protocol, parsed) else state.cache.ticket(
         route.group.name, model, body, key.api_key_id, key.subject_id, request.headers
     )
@@ -162,13 +168,19 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
     started = time.monotonic()
     observed = telemetry.begin_call(request, record, body)
     try:
+        response: web.StreamResponse
         if cache is not None and (hit := await cache.lookup()) is not None:
             if protocol.name == "chat":
-                return await replay(request, hit, cache, body, record, SSE_HEADERS)
-            return await _replay_in(request, protocol, hit, cache, parsed, record, started)
-        if stream:
-            return await _stream(request, state, protocol, route, parsed, record, started, cache, guard)
-        return await _whole(state, protocol, route, parsed, record, cache, guard)
+                response = await replay(request, hit, cache, body, record, SSE_HEADERS)
+            else:
+                response = await _replay_in(request, protocol, hit, cache, parsed, record, started)
+        elif stream:
+            response = await _stream(request, state, protocol, route, parsed, record, started, cache, guard, capture)
+        else:
+            response = await _whole(state, protocol, route, parsed, record, cache, guard, capture)
+        if capture is not None:
+            capture.answered(response)  # a whole answer's body as the client gets it
+        return response
     except asyncio.CancelledError as exc:
         record.outcome = "cancelled"
         # 499: the client went away; 503: the shutdown ended it (the admission gate answers so).
@@ -185,6 +197,8 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
             record.cache = None if cache is None else cache.status
             _finish(state, record)
         state.billing.settle(reservation, record)  # budget hook: release at the real cost
+        if capture is not None:
+            capture.finish(state, record)  # to the request-log actor: no encoding here
         telemetry.end_call(request, observed, record)
 
 
@@ -261,8 +275,11 @@ async def _whole(
     state: GatewayState, protocol: Inbound, route: Route, parsed: Parsed, record: CallRecord,
     cache: CacheTicket | None,
     guard: GuardrailEngine | None = None,
+    capture: BodyCapture | None = None,
 ) -> web.Response:
     target, reply = await dispatch(state, route, parsed.body, record, stream=False, native=parsed.native)
+    if capture is not None:
+        capture.request = _sent_body(parsed, reply)
     record.status = reply.status
     record.served_model = target.upstream_model
     if not reply.ok:
@@ -307,6 +324,7 @@ async def _stream(
     started: float,
     cache: CacheTicket | None,
     guard: GuardrailEngine | None = None,
+    capture: BodyCapture | None = None,
 ) -> web.StreamResponse:
     body = parsed.body
     if not parsed.wants_usage:
@@ -314,6 +332,8 @@ async def _stream(
         options = body.get("stream_options")
         body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
     target, reply = await dispatch(state, route, body, record, stream=True, native=parsed.native)
+    if capture is not None:
+        capture.request = _sent_body(parsed, reply)
     record.status = reply.status
     record.served_model = target.upstream_model
     if reply.events is None:
@@ -324,6 +344,7 @@ async def _stream(
     prompt_estimate = prompt_tokens(body.get("messages") or [])
     relay = protocol.relay(reply, parsed, state.settings.capture_genai_content, prompt_estimate)
     screen = stream_guard(guard, reply.wire)
+    checks = stream_checks(guard, reply.wire)  # webhook, moderation, hook: at intervals, beside the stream
     # Entries are kept in the internal (chat) shape and rendered per protocol on a hit; a
     # stream in a provider's own wire (passed through as sent) is not kept.
     storable = cache is not None and reply.wire == "chat"
@@ -340,7 +361,10 @@ async def _stream(
         relay.settle(record, started, prompt_estimate)
         if screen is not None:
             record.guardrails += tuple((d.policy, d.action, d.direction) for d in screen.decisions())
-        if storable and cache is not None and relay.done:
+        if checks is not None:
+            checks.close()
+            record.guardrails += tuple((d.policy, d.action, d.direction) for d in checks.decisions())
+        if storable and cache is not None and relay.done and record.outcome != "blocked":
             cache.store_stream(record)
 
     #: What the upstream's last event(s) became: the stream's end marker, held back until
@@ -353,6 +377,10 @@ async def _stream(
                 event = screen.feed(event)  # before the cache too: it must never keep what was redacted
             if storable and cache is not None:
                 cache.collect(event)  # as the provider sent it (bar redactions): stored once complete
+            if checks is not None:
+                checks.observe(event)  # raises if a check that has answered refused the text
+            if capture is not None:
+                capture.streamed(event, reply.wire)  # after the window: never a redacted text
             out = relay.feed(event)
             if out:
                 if relay.done:
@@ -361,6 +389,8 @@ async def _stream(
                     await response.write(out)
         if not relay.done:
             raise StreamCut(relay.unfinished)
+        if checks is not None:
+            await checks.finish()  # the end waits for the last check: a refused stream never ends as a success
         # Complete: journal the call, then send its end, so a crash between the two loses
         # an answer's end (the client retries) rather than a record of what it was served.
         await reply.release()
@@ -410,6 +440,14 @@ async def _stream(
         await reply.release()
         conclude()
     return response
+
+
+def _sent_body(parsed: Parsed, reply: UpstreamReply) -> dict[str, Any]:
+    """The request body the deployment that answered got (for request logs): the native
+    one when it spoke the client's protocol, else the chat shape."""
+    if parsed.native is not None and reply.wire != "chat":
+        return parsed.native.body
+    return parsed.body
 
 
 async def _screen_input(guard: GuardrailEngine, parsed: Parsed) -> tuple[Parsed, list[Decision]]:
