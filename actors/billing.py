@@ -2,8 +2,8 @@
 
 State it owns:
 
-* the local journal (:mod:`gateway.billing.journal`): events are appended as they are told,
-  group-committed with one ``fsync`` at most every ``fsync_interval`` seconds, sealed
+* the local journal (:mod:`gateway.billing.journal`): events are written into it as the
+  calls end, group-committed with one ``fsync`` at most every ``fsync_interval`` seconds, sealed
   and shipped in batches (one ``INSERT ... ON CONFLICT (call_id) DO NOTHING`` per batch),
   and deleted once the ledger has them. While PostgreSQL is away they wait on disk; a
   restart ships whatever a crash left.
@@ -15,13 +15,16 @@ State it owns:
 * running spend counters per key and per subject, in integer micro-USD: the ledger's
   spend in each budget's current period plus what this replica has not shipped yet,
   for :class:`Spend` reports.
-* counters for metrics: recorded, shipped, duplicates, overflowed, pending, unpriced models.
+* counters for metrics: recorded, shipped, duplicates, pending, unpriced models.
 
-Handlers never wait for billing: :meth:`BillingHandle.record` (a call listener) tells
-the actor one event per call; when the mailbox is full the event is appended to the
-journal directly instead (the append is synchronous and needs no await, so it is safe
-from any task on the loop), never dropped. On stop (SIGTERM) the actor drains: the
-mailbox, a last fsync, a last ship; what cannot be shipped stays on disk for next start.
+Handlers never wait for billing: :meth:`BillingHandle.record` (a call listener) appends
+the call's event to the journal from the handler's own task, before the answer's last
+bytes leave (the append is synchronous, one ``write`` into the page cache and no await,
+so it is safe from any task on the loop). No mailbox stands between a finished call and
+the disk: a process killed the moment after a client saw its answer (SIGKILL, the OOM
+killer) has left that call's event in the journal, and the next start ships it. On stop
+(SIGTERM) the actor drains: a last fsync, a last ship; what cannot be shipped stays on
+disk for next start.
 
 Why one module of ~600 lines: an actor's messages, handle, loop and start/stop read top to
 bottom in one file (the house style for actors); the journal, the ledger's rows and budgets
@@ -69,7 +72,6 @@ __all__ = [
     "BillingHandle",
     "BillingStats",
     "Flush",
-    "Record",
     "Settle",
     "Spend",
     "SpendReport",
@@ -86,17 +88,6 @@ _DATA_ERRORS = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
 
 
 # -- messages ----------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One finished call (tell): journaled, counted, logged, shipped later.
-
-    Carries the call's record itself (no longer changed once listeners see it), so
-    turning it into a ledger event costs the actor, not the response.
-    """
-
-    call: CallRecord
-
-
 @dataclass(frozen=True, slots=True)
 class Settle:
     """A call that held a reservation ended (tell): release it at the call's real cost."""
@@ -133,7 +124,7 @@ class SpendReport:
 class BillingStats:
     """Counters for metrics and readiness (a snapshot)."""
 
-    #: Events told (or overflowed) since start.
+    #: Events journaled since start.
     recorded: int
     #: Rows the ledger inserted from this replica's journal.
     shipped: int
@@ -141,8 +132,6 @@ class BillingStats:
     duplicates: int
     #: Events not yet in the ledger (``gateway_billing_pending_events``).
     pending: int
-    #: Events written to the journal directly because the mailbox was full.
-    overflowed: int
     #: Lines the ledger refused, set aside in ``rejected.jsonl``.
     rejected: int
     #: Ship attempts that failed because the ledger was unreachable.
@@ -157,7 +146,7 @@ class BillingStats:
 _SETTLE_ATTEMPTS = 5
 
 
-class BillingActor(Actor[Record | Flush | Spend | Settle]):
+class BillingActor(Actor[Flush | Spend | Settle]):
     name = "billing"
 
     def __init__(
@@ -206,7 +195,6 @@ class BillingActor(Actor[Record | Flush | Spend | Settle]):
         self.recorded = 0
         self.shipped = 0
         self.duplicates = 0
-        self.overflowed = 0
         self.ship_failures = 0
         self.ledger_reachable = True
         #: Spend refreshes from the ledger that failed, and since when they keep failing
@@ -255,10 +243,7 @@ class BillingActor(Actor[Record | Flush | Spend | Settle]):
         journal.close()
 
     # -- messages -----------------------------------------------------------------------
-    async def receive(self, msg: Record | Flush | Spend | Settle) -> Any:
-        if isinstance(msg, Record):
-            self.ingest(UsageEvent.from_call(msg.call))
-            return None
+    async def receive(self, msg: Flush | Spend | Settle) -> Any:
         if isinstance(msg, Settle):
             self.settle_later(msg.reservation, msg.cost_micro_usd)
             return None
@@ -278,8 +263,9 @@ class BillingActor(Actor[Record | Flush | Spend | Settle]):
         raise TypeError(f"unexpected message {msg!r}")
 
     def ingest(self, event: UsageEvent) -> None:
-        """Journal, count and log one event. Synchronous (no await), so the handle may
-        call it directly when the mailbox is full or the actor has stopped."""
+        """Journal, count and log one event. Synchronous (no await), so the handle calls
+        it from the handler's task, and it works after the actor stopped too (the
+        journal then writes and fsyncs a late event at once)."""
         journal = self.journal
         cost = micro_usd(event.cost_usd)
         journal.append(event.to_line(), event.api_key_id, event.subject_id, cost)
@@ -486,7 +472,6 @@ class BillingActor(Actor[Record | Flush | Spend | Settle]):
             shipped=self.shipped,
             duplicates=self.duplicates,
             pending=journal.pending_events if journal else 0,
-            overflowed=self.overflowed,
             rejected=journal.rejected if journal else 0,
             ship_failures=self.ship_failures,
             ledger_reachable=self.ledger_reachable,
@@ -535,16 +520,12 @@ class BillingHandle:
         self._gate = actor.gate
 
     def record(self, call: CallRecord) -> None:
-        """Call listener: one event per finished call. Never waits, never raises."""
+        """Call listener: one event per finished call, in the journal's file when this
+        returns (so before the client has the answer's end). Never waits, never raises."""
         try:
-            self._ref.tell(Record(call))
-        except (MailboxFull, ActorStopped):
-            # Never dropped: straight into the journal (an in-memory append, no await).
-            self._actor.overflowed += 1
-            try:
-                self._actor.ingest(UsageEvent.from_call(call))
-            except Exception:
-                log.exception("billing: LOST the event of call %s (%s)", call.call_id, call.request_id)
+            self._actor.ingest(UsageEvent.from_call(call))
+        except Exception:
+            log.exception("billing: LOST the event of call %s (%s)", call.call_id, call.request_id)
 
     async def reserve(
         self, key: VerifiedKey, record: CallRecord, route: Route, router: Router, body: dict[str, Any],

@@ -93,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-seconds", type=_seconds, help="length of the profile (default 10, quick 2)")
     parser.add_argument("--no-hops", action="store_true", help="skip the actor hop measurements")
     parser.add_argument("--redis", metavar="URL", help="give the gateway REDIS_URL (limits in Redis)")
+    parser.add_argument("--no-budget", action="store_true",
+                        help="create the bench key without its USD 1,000,000 budget (no reservations: what the budget costs)")
     parser.add_argument("--gateway-env", action="append", default=[], metavar="NAME=VALUE", type=_assignment,
                         help="extra environment for the gateway, e.g. LOG_LEVEL=warning (repeatable; for A/B runs)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where reports go (default bench/results)")
@@ -150,7 +152,8 @@ async def _run(args: argparse.Namespace) -> int:
     }
     options = StackOptions(profiles=profiles, pin=not args.no_pin, redis_url=args.redis,
                            bare="bare" in args.targets, keep_logs=args.keep_logs,
-                           gateway_env=dict(args.gateway_env), gateway_workers=args.gateway_workers)
+                           gateway_env=dict(args.gateway_env), gateway_workers=args.gateway_workers,
+                           key_budget=not args.no_budget)
     reports: list[ScenarioReport] = []
     profile: dict[str, Any] | None = None
     hops: dict[str, Any] | None = None

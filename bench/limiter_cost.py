@@ -39,7 +39,7 @@ from limits.aio.storage import RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
 from actors.auth import VerifiedKey
-from actors.limiter import Acquire, LimiterActor, LimiterHandle, Permit
+from actors.limiter import Acquire, CheckIp, LimiterActor, LimiterHandle, Permit
 from actors.runtime import Supervisor
 from gateway.auth.keys import KeyPolicy, KeyStore
 from gateway.core.config import RateLimitSettings
@@ -175,7 +175,7 @@ async def measure_memory_decisions(total: int) -> list[Result]:
         per_key = (time.process_time() - started) / total * 1e6
         started = time.process_time()
         for i in range(total):
-            await actor._decide_ip(shared, f"10.0.{i % 250}.1")
+            await actor._decide_ip(shared, CheckIp(f"10.0.{i % 250}.1"))
         per_ip = (time.process_time() - started) / total * 1e6
     finally:
         await actor.on_stop()

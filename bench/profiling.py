@@ -60,10 +60,13 @@ _LOOP_RUNNERS = frozenset({"run", "run_app", "run_until_complete", "run_forever"
 #: py-spy's ``--nonblocking`` sampling counts them as running, but they use no CPU. The
 #: thread pool waiting for work, the log writer waiting for records, the journal's
 #: worker in ``write``/``fsync`` (waiting on the disk: its kernel time is small).
+#: Matched on the function's own name (py-spy spells it ``QueueListener.dequeue`` or
+#: ``dequeue`` depending on its version).
 _BLOCKED = frozenset({
     ("_worker", "concurrent/futures/thread.py"),
-    ("QueueListener.dequeue", "logging/handlers.py"),
-    ("Journal._write_sync", "gateway/billing/journal.py"),
+    ("dequeue", "logging/handlers.py"),
+    ("_write_sync", "gateway/billing/journal.py"),
+    ("_fsync_sync", "gateway/billing/journal.py"),
     ("_fsync_dir", "gateway/billing/journal.py"),
 })
 
@@ -123,7 +126,7 @@ def summarize(collapsed: Path, top: int = 15) -> dict[str, Any]:
         if not frames:
             continue
         func, path = frames[-1]
-        if (func, _short(path)) in _BLOCKED:
+        if (func.rpartition(".")[2], _short(path)) in _BLOCKED:
             blocked += count
             continue
         total += count

@@ -77,7 +77,8 @@ def render_markdown(meta: dict[str, Any], reports: list[ScenarioReport], profile
         f"Commit `{m['commit']}` · Python {m['python']} · {m['cpus']} CPUs ({m['cpu_model']}) · "
         f"load average before {m['load_average'][0]}, after {meta['load_after'][0]} · {pin} · "
         f"actors in the tree: {', '.join(env['features'])} · Redis: {'yes' if env['redis'] else 'no'}"
-        f" · gateway workers: {meta.get('gateway_workers', 1)}.",
+        f" · gateway workers: {meta.get('gateway_workers', 1)}"
+        f" · bench key budget: {'yes' if env.get('key_budget', True) else 'no'}.",
         "",
         "Direct = the client calls the fake provider itself; bare relay = a 20-line aiohttp pass-through "
         "(bench/bare_relay.py); gateway = `llm-gateway serve` with a real key, limits, breaker and billing "

@@ -250,6 +250,22 @@ class StackOptions:
     gateway_env: dict[str, str] = field(default_factory=dict)
     #: ``serve --workers N``; with N > 1 the gateway is not pinned (its workers need every CPU).
     gateway_workers: int = 1
+    #: Give the bench key its USD 1,000,000 budget (a reservation on every call); False
+    #: (``--no-budget``) measures what the budget costs.
+    key_budget: bool = True
+
+
+def key_create_argv(*, budget: bool) -> list[str]:
+    """``keys create`` for the bench key: limits generous enough to be checked, never hit,
+    and (``budget``) a USD 1,000,000 budget, so every call holds a reservation."""
+    argv = [
+        sys.executable, "-m", "gateway", "keys", "create", "--name", "bench", "--json",
+        "--rpm", "100000000", "--window-seconds", "60", "--tpm", "1000000000",
+        "--max-concurrent", "100000",
+    ]
+    if budget:
+        argv += ["--budget-usd", "1000000", "--budget-period", "total"]
+    return argv
 
 
 def _with_db(dsn: str, name: str) -> str:
@@ -381,11 +397,7 @@ class Stack:
     async def _create_key(self) -> str:
         """A real key through the CLI, with limits generous enough to be checked, never hit."""
         env = {**self._base_env(), "DATABASE_URL": self.database_url}
-        argv = [
-            sys.executable, "-m", "gateway", "keys", "create", "--name", "bench", "--json",
-            "--rpm", "100000000", "--window-seconds", "60", "--tpm", "1000000000",
-            "--max-concurrent", "100000", "--budget-usd", "1000000", "--budget-period", "total",
-        ]
+        argv = key_create_argv(budget=self.options.key_budget)
         proc = await asyncio.create_subprocess_exec(
             *argv, cwd=str(REPO), env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
         )
@@ -493,6 +505,7 @@ class Stack:
             "gateway_cpu": self.server_cpu if self.pinned else None,
             "load_cpu": self.load_cpu if self.pinned else None,
             "redis": bool(self.options.redis_url),
+            "key_budget": self.options.key_budget,
             "features": self.features(),
         }
 

@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import orjson
+import pytest
 
 from gateway.billing.journal import Journal
 
@@ -57,16 +58,18 @@ async def test_a_crash_leaves_committed_events_for_the_next_open(tmp_path: Path)
     sealed = await journal.seal()
     journal.append(line(99), KEY, SUBJECT, 0.5)
     await journal.commit()  # in the active segment, not sealed yet
-    journal.append(line(100), KEY, SUBJECT, 0.5)  # buffered only: lost by a crash, by design
+    # Appended, never committed: written into the file at once, so a crash of the process
+    # (not of the machine: that takes the fsync) still leaves it.
+    journal.append(line(100), KEY, SUBJECT, 0.5)
     crash(journal)
     assert sealed is not None
     reopened = Journal.open(tmp_path)
     assert reopened.directory == journal.directory  # the same slot, free again
     leftovers = reopened.sealed()
-    assert [s.lines for s in leftovers] == [3, 1]
-    assert [orjson.loads(x)["n"] for s in leftovers for x in Journal.read(s)] == [0, 1, 2, 99]
+    assert [s.lines for s in leftovers] == [3, 2]
+    assert [orjson.loads(x)["n"] for s in leftovers for x in Journal.read(s)] == [0, 1, 2, 99, 100]
     # Spend of the leftovers is known again, so budgets count them before they ship.
-    assert reopened.unshipped_spend()[0] == {KEY: 2_000_000}
+    assert reopened.unshipped_spend()[0] == {KEY: 2_500_000}
     # New segments never reuse a leftover's name.
     reopened.append(line(5), KEY, SUBJECT, 0.5)
     new = await reopened.seal()
@@ -197,4 +200,41 @@ async def test_a_failed_seal_keeps_every_event_for_the_next_try(tmp_path: Path) 
     sealed = await journal.seal()
     assert sealed is not None and Journal.read(sealed) == [first, late] and sealed.lines == 2
     assert journal.unshipped_spend() == ({KEY: 750_000}, {SUBJECT: 750_000})
+    journal.close()
+
+
+async def test_an_appended_event_is_in_the_file_before_append_returns(tmp_path: Path) -> None:
+    """A usage event is written into the segment at once (no await, no commit), so a
+    SIGKILL right after the client got its answer cannot lose it; the commit fsyncs it."""
+    journal = Journal.open(tmp_path)
+    raw = line(1)
+    journal.append(raw, KEY, SUBJECT, 500_000)
+    assert journal._active is not None and journal._active.path.read_bytes() == raw
+    assert journal.buffered == 1  # written, not yet fsync'd
+    assert await journal.commit() == 1 and journal.buffered == 0
+    journal.close()
+
+
+async def test_a_refused_write_keeps_the_event_in_memory_until_a_commit_writes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = Journal.open(tmp_path)
+    lines = [line(n) for n in range(1, 5)]
+    journal.append(lines[0], KEY, SUBJECT, 500_000)
+    real_write = os.write
+
+    def disk_full(fd: int, data: bytes) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "write", disk_full)
+    journal.append(lines[1], KEY, SUBJECT, 250_000)
+    journal.append(lines[2], KEY, SUBJECT, 250_000)  # behind the buffered one, never before it
+    assert journal._active is not None and journal._active.path.read_bytes() == lines[0]
+    assert journal.buffered == 3 and journal.pending_events == 3
+    monkeypatch.setattr(os, "write", real_write)
+    assert await journal.commit() == 3
+    segment = await journal.seal()
+    assert segment is not None and Journal.read(segment) == lines[:3]
+    journal.append(lines[3], KEY, SUBJECT, 0)  # the next segment is written through again
+    assert journal._active is not None and journal._active.path.read_bytes() == lines[3]
     journal.close()

@@ -139,3 +139,32 @@ async def test_each_wire_sends_the_rotated_key(tmp_path: Path) -> None:
             assert provider.keyed_headers(base)[header] == form.format("new-key")
             assert header not in base  # the shared base never holds the key
             key_file.write_text("old-key")
+
+
+async def test_a_credential_refreshed_in_a_thread_is_refreshed_once_for_concurrent_callers() -> None:
+    import asyncio
+    import threading
+
+    from gateway.providers.credentials import RefreshedInThread
+
+    refreshes: list[tuple[int | None, str]] = []
+    due = {"now": False}
+    fail = {"now": False}
+
+    def refresh(previous: int | None) -> int:
+        refreshes.append((previous, threading.current_thread().name))
+        if fail["now"]:
+            raise OSError("token endpoint down")
+        return (previous or 0) + 1
+
+    held: RefreshedInThread[int] = RefreshedInThread(refresh, lambda _value: due["now"])
+    assert await asyncio.gather(*(held.current() for _ in range(5))) == [1] * 5
+    assert len(refreshes) == 1 and refreshes[0][1] != threading.current_thread().name  # not on the loop
+    assert await held.current() == 1 and len(refreshes) == 1  # not stale: no refresh
+    due["now"] = True
+    fail["now"] = True
+    with pytest.raises(OSError):
+        await held.current()
+    fail["now"] = False
+    assert await held.current() == 2  # the failed refresh kept the old value to refresh from
+    assert [previous for previous, _ in refreshes] == [None, 1, 1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -91,3 +92,22 @@ def test_log_records_from_the_loop_reach_the_writer_in_order_and_stop_flushes_th
         root.setLevel(saved_level)
     messages = [orjson.loads(line)["msg"] for line in out.getvalue().splitlines()]
     assert messages == ["before the loop", *(f"loop {i}" for i in range(5)), "last on the loop", "after the loop"]
+
+
+def test_the_heap_built_at_start_up_is_frozen_and_young_collections_are_rarer() -> None:
+    # serve calls settle_heap() once both planes listen: what start-up built is never
+    # walked by a collection again, and the youngest generation waits for more allocations.
+    from gateway.edge.server import GC_YOUNG_THRESHOLD, settle_heap
+
+    before = gc.get_threshold()
+    alive_at_start_up = [object()]
+    try:
+        frozen = settle_heap()
+        assert frozen == gc.get_freeze_count() > 0
+        assert not any(o is alive_at_start_up for o in gc.get_objects())  # out of every generation scanned
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, before[1], before[2])
+        made_later = [object()]
+        assert any(o is made_later for o in gc.get_objects())  # later objects are collected as ever
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

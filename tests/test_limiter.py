@@ -402,6 +402,43 @@ async def test_memory_storage_sweeps_at_most_once_a_second() -> None:
     assert len(storage.storage) == 200
 
 
+@pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
+async def test_memory_windows_decide_exactly_as_the_library_does(strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # LocalStorage decides memory windows with synchronous twins of the library's
+    # operations; the library's own strategy over its own MemoryStorage is the reference.
+    # Same operations at the same (frozen) times, across window edges, must give the same
+    # answers and leave the same counters.
+    from limits.aio.storage import MemoryStorage
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    ours = Windows("memory", LocalStorage(), strategy)
+    reference = Windows("memory", MemoryStorage(), strategy)
+    assert ours._local is not None and reference._local is None
+    item = RateLimitItemPerSecond(5, 10)
+    steps: list[tuple[float, str, int]] = [
+        (0.0, "hit", 1), (0.5, "hit", 2), (1.0, "stats", 0), (2.0, "hit", 3), (2.5, "add", 4),
+        (3.0, "stats", 0), (3.0, "hit", 1), (9.9, "add", -2), (10.2, "stats", 0), (10.2, "hit", 1),
+        (13.0, "hit", 2), (14.0, "stats", 0), (19.5, "hit", 5), (21.0, "stats", 0), (27.0, "hit", 1),
+        (27.0, "add", 30), (29.0, "stats", 0), (35.0, "hit", 6), (48.0, "stats", 0), (48.0, "hit", 1),
+    ]
+    for offset, op, amount in steps:
+        clock[0] = 1_000_000.0 + offset
+        answers = []
+        for windows in (ours, reference):
+            if op == "hit":
+                answers.append(await windows.hit(item, "k", cost=amount))
+            elif op == "add":
+                answers.append(await windows.add(item, "k", amount=amount))
+            else:
+                stats = await windows.stats(item, "k")
+                answers.append((round(stats.reset_time, 6), stats.remaining))
+        assert answers[0] == answers[1], (offset, op, amount)
+    ours_counts = {k: v for k, v in ours.storage.storage.items() if v}  # type: ignore[attr-defined]
+    reference_counts = {k: v for k, v in reference.storage.storage.items() if v}  # type: ignore[attr-defined]
+    assert ours_counts == reference_counts
+
+
 def test_the_limits_internals_the_memory_storage_overrides_still_exist() -> None:
     # LocalStorage overrides these private names; if an upgrade renamed them, the
     # overrides would do nothing and nothing else would fail.

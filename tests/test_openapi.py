@@ -9,6 +9,7 @@ loop, so each run goes to a worker thread while the loop serves it.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -62,7 +63,9 @@ def documented_routes(document: dict[str, Any]) -> set[tuple[str, str]]:
 
 @pytest.fixture
 async def admin_gateway(gateway_factory: Callable[..., Any], fake: FakeUpstream) -> Gateway:
-    return await gateway_factory(env={"ADMIN_TOKEN": ADMIN_TOKEN}, config_yaml=config_for(fake.url))  # type: ignore[no-any-return]
+    # Request logs on, so GET /admin/requests/{request_id} has a stored call to answer.
+    config = config_for(fake.url, request_logs={"models": ["*"]})
+    return await gateway_factory(env={"ADMIN_TOKEN": ADMIN_TOKEN}, config_yaml=config)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("plane", ["data", "management"])
@@ -185,6 +188,22 @@ def _create_response_over_http(base_url: str, key: str) -> str:
     return str(resp.json()["id"])
 
 
+def _create_request_log_over_http(base_url: str, data_url: str) -> str:
+    """A chat call with a new key, stored by the request logs; its request id once readable."""
+    made = requests.post(f"{base_url}/admin/keys", json={"name": "fuzz-logged"}, headers=auth(ADMIN_TOKEN), timeout=10)
+    assert made.status_code == 201, made.text
+    request_id = f"fuzz-{uuid.uuid4().hex[:12]}"
+    resp = requests.post(f"{data_url}/v1/chat/completions", timeout=10,
+                         json={"model": "m", "messages": [{"role": "user", "content": "fuzz me"}]},
+                         headers={**auth(made.json()["api_key"]), "x-request-id": request_id})
+    assert resp.status_code == 200, resp.text
+    for _ in range(100):  # shipped within the ship interval (0.1 s)
+        if requests.get(f"{base_url}/admin/requests/{request_id}", headers=auth(ADMIN_TOKEN), timeout=10).ok:
+            return request_id
+        time.sleep(0.05)
+    raise AssertionError(f"request log {request_id} never stored")
+
+
 def _create_budget_over_http(base_url: str) -> str:
     subject = str(uuid.uuid4())
     resp = requests.put(f"{base_url}/admin/budgets/{subject}", json={"budget_usd": 1}, headers=auth(ADMIN_TOKEN), timeout=10)
@@ -194,10 +213,12 @@ def _create_budget_over_http(base_url: str) -> str:
 
 async def test_schemathesis_finds_no_server_error_on_the_management_plane(admin_gateway: Gateway) -> None:
     base_url = str(admin_gateway.management.make_url("")).rstrip("/")
+    data_url = str(admin_gateway.data.make_url("")).rstrip("/")
     report = await asyncio.to_thread(
         _fuzz, management_document(), base_url, auth(ADMIN_TOKEN), {
             "id": lambda: _create_key_over_http(base_url),
             "subject_id": lambda: _create_budget_over_http(base_url),
+            "request_id": lambda: _create_request_log_over_http(base_url, data_url),
         },
     )
     assert not report.failures, "\n\n".join(report.failures)

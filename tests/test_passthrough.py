@@ -169,4 +169,8 @@ def test_usage_shapes_of_each_wire() -> None:
         "input_tokens": 9, "output_tokens": 8}}}) == (9, 8)
     assert recognised_usage({"usageMetadata": {"promptTokenCount": 6, "candidatesTokenCount": 2,
                                                "thoughtsTokenCount": 3}}) == (6, 5)
+    assert recognised_usage({"usage": {"inputTokens": 4, "outputTokens": 6, "cacheReadInputTokens": 1}}) == (5, 6)
+    assert recognised_usage({"type": "message_stop", "amazon-bedrock-invocationMetrics": {
+        "inputTokenCount": 11, "outputTokenCount": 12, "invocationLatency": 300}}) == (11, 12)
+    assert recognised_usage({"embedding": [0.1], "inputTextTokenCount": 7}) == (7, 0)
     assert recognised_usage({"data": []}) is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,13 @@ import pytest
 from aiohttp.test_utils import TestServer
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
+from google.auth.compute_engine import _metadata
 
 from gateway.core import extras
 from gateway.core.config import ConfigError, load_config, load_settings
+from gateway.core.tokens import count_tokens
 from gateway.providers.vertex import VertexProvider
+from gateway.testing.fake_vendor import unit_vector
 from gateway.testing.fake_vertex import VertexFake, make_app
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, sse_payloads
 from tests.fleet import fleet_config, records
@@ -206,3 +210,72 @@ async def test_claude_on_vertex_uses_the_anthropic_publisher_and_messages_wire(
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text == answer.choices[0].message.content.replace("hi claude", "stream claude")
     assert fake.state.model_calls()[-1].path == f"{anthropic_path}/claude-sonnet-4-5@20250929:streamRawPredict"
+
+
+async def test_embeddings_go_to_predict_and_are_billed_from_vertex_token_counts(
+    gateway_factory: Any, vertex: tuple[VertexFake, str], api_key: str, tmp_path: Path,
+    signing_key: rsa.RSAPrivateKey, db_pool: asyncpg.Pool, key_factory: Any,
+) -> None:
+    fake, url = vertex
+    credentials = service_account_file(tmp_path, signing_key, f"{url}/token", fake.client_email)
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"gcp": vertex_provider(url, credentials)},
+        [{"name": "embed", "deployments": [{"provider": "gcp", "model": "text-embedding-005",
+                                             "price": {"input_per_mtok": 25.0, "output_per_mtok": 0.0}}]}]))
+    request_id = f"ve-{uuid.uuid4().hex[:10]}"
+    client = openai.AsyncOpenAI(base_url=gw.url("/v1"), api_key=api_key, max_retries=0,
+                                default_headers={"x-request-id": request_id})
+    answer = await client.embeddings.create(model="embed", input=["first text", "second"], dimensions=64)
+    assert [d.index for d in answer.data] == [0, 1]
+    assert answer.data[0].embedding == pytest.approx(unit_vector("first text", 64), abs=1e-6)
+    tokens = count_tokens("first text") + count_tokens("second")
+    assert answer.usage.prompt_tokens == tokens
+    (call,) = fake.state.model_calls()
+    assert call.path == f"{MODELS_PATH}/text-embedding-005:predict"
+    assert call.body == {"instances": [{"content": "first text"}, {"content": "second"}],
+                         "parameters": {"outputDimensionality": 64}}
+    assert call.headers["authorization"] == f"Bearer {fake.state.issued_tokens[0]}"
+    assert await gw.state.billing.flush()
+    row = await db_pool.fetchrow("SELECT * FROM usage_ledger WHERE request_id = $1", request_id)
+    assert (row["prompt_tokens"], row["completion_tokens"]) == (tokens, 0) and not row["usage_estimated"]
+    assert row["cost_usd"] == (Decimal(tokens) * 25 / 1_000_000).quantize(Decimal("1e-10"))
+    # Google's refusal keeps its status; bad input is ours; a spent budget stops the call.
+    resp = await gw.data.post("/v1/embeddings", json={"model": "embed", "input": ["x"] * 251}, headers=auth(api_key))
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and error["code"] == "invalid_request" and "250" in error["message"]
+    before = len(fake.state.model_calls())
+    fake.state.script.append({"status": 429})
+    resp = await gw.data.post("/v1/embeddings", json={"model": "embed", "input": "x"}, headers=auth(api_key))
+    assert resp.status == 200 and len(fake.state.model_calls()) == before + 2  # RESOURCE_EXHAUSTED retried
+    resp = await gw.data.post("/v1/embeddings", json={"model": "embed", "input": [[1, 2]]}, headers=auth(api_key))
+    assert resp.status == 400 and "token arrays" in (await resp.json())["error"]["message"]
+    broke, _ = await key_factory(budget_usd=Decimal("0"), budget_period="total")
+    calls = len(fake.state.model_calls())
+    resp = await gw.data.post("/v1/embeddings", json={"model": "embed", "input": "x"}, headers=auth(broke))
+    assert resp.status == 402 and len(fake.state.model_calls()) == calls
+
+
+async def test_without_a_key_file_the_metadata_servers_token_is_used(
+    gateway_factory: Any, vertex: tuple[VertexFake, str], api_key: str, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Application Default Credentials on GCE / GKE / Cloud Run: no key file, no gcloud
+    login, so google-auth finds the metadata server and takes its service account's token."""
+    fake, url = vertex
+    host = url.removeprefix("http://")
+    for name in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud"))
+    monkeypatch.setenv("GCE_METADATA_IP", host)
+    monkeypatch.setattr(_metadata, "_GCE_METADATA_HOST", host)  # google-auth reads it once, at import
+    provider = {"type": "vertex", "base_url": url, "project": "fake-project", "location": "europe-west4"}
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"gcp": provider}, [{"name": "flash", "deployments": [{"provider": "gcp", "model": "gemini-2.5-flash"}]}]))
+    for _ in range(2):
+        resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="flash"), headers=auth(api_key))
+        assert resp.status == 200, await resp.text()
+    (token,) = fake.state.issued_tokens  # fetched once, then reused while valid
+    assert [c.headers["authorization"] for c in fake.state.model_calls()] == [f"Bearer {token}"] * 2
+    metadata = [c for c in fake.state.calls if c.path.startswith("/computeMetadata/")]
+    assert any(c.path.endswith("/service-accounts/default/token") for c in metadata)
+    assert all(c.headers.get("metadata-flavor") == "Google" for c in metadata)

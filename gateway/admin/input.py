@@ -13,7 +13,7 @@ takes is the :class:`Must` beside its type. The bounds are the database columns'
 :class:`gateway.auth.keys.KeyPolicy`), checked here so that no input can reach PostgreSQL
 and come back as a 500.
 
-A little over 500 lines because each of the nine shapes is declared here whole, with its
+A little over 500 lines because each of the ten shapes is declared here whole, with its
 bounds and its words; splitting bodies from query strings would part declarations that
 share their field types.
 """
@@ -73,6 +73,7 @@ __all__ = [
     "RevokeBody",
     "RotateBody",
     "Rotation",
+    "RequestLogQuery",
     "UsageQuery",
     "parse_audit_query",
     "parse_budget_list_query",
@@ -82,6 +83,7 @@ __all__ = [
     "parse_key_patch",
     "parse_revoke",
     "parse_rotation",
+    "parse_request_log_query",
     "parse_usage_query",
     "read_admin_body",
 ]
@@ -487,9 +489,28 @@ class UsageQuery:
     api_key_id: QueryUUID | None = Field(default=None, description="only this key")
 
 
+KeyRef = Annotated[
+    str, StringConstraints(pattern=r"^(?:[0-9a-fA-F]{8}-?(?:[0-9a-fA-F]{4}-?){3}[0-9a-fA-F]{12}|[A-Za-z0-9_-]{12})$"),
+    Must("a key's id (UUID) or its 12-character prefix"),
+]
+QueryModel = Annotated[str, StringConstraints(min_length=1, max_length=256), Must("a model name of 1 to 256 characters")]
+
+
+@model_dataclass(frozen=True, config=SHAPE)
+class RequestLogQuery:
+    """``GET /admin/requests``: stored calls newest first, by key, model and start time."""
+
+    key: KeyRef | None = Field(default=None, description="only this key's calls: its id or 12-character prefix")
+    model: QueryModel | None = Field(default=None, description="only calls asking for this model, or served by this model group")
+    since: QueryTime | None = Field(default=None, description="ISO 8601 date or date-time (UTC if no zone), inclusive")
+    limit: PageSize = DEFAULT_PAGE
+    after: QueryUUID | None = Field(default=None, description=_AFTER + " (a call_id)")
+
+
 #: Every admin query string by the route kind ``gateway.admin.routes`` names it with.
 QUERIES: dict[str, Any] = {
     "keys": KeyListQuery, "budgets": BudgetListQuery, "audit": AuditQuery, "usage": UsageQuery,
+    "requests": RequestLogQuery,
 }
 
 _Query = TypeVar("_Query")
@@ -517,6 +538,10 @@ def parse_budget_list_query(query: Mapping[str, str]) -> BudgetListQuery:
 
 def parse_audit_query(query: Mapping[str, str]) -> AuditQuery:
     return _validate_query(AuditQuery, query)
+
+
+def parse_request_log_query(query: Mapping[str, str]) -> RequestLogQuery:
+    return _validate_query(RequestLogQuery, query)
 
 
 def parse_usage_query(query: Mapping[str, str]) -> UsageQuery:

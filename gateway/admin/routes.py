@@ -72,7 +72,10 @@ from gateway.core.errors import (
 from gateway.http.middleware import request_id_of
 from gateway.http.state import STATE
 
-__all__ = ["ADMIN_ACTOR", "AdminAuth", "add_admin_routes", "admin_body_limit", "admin_guard"]
+__all__ = [
+    "ADMIN_ACTOR", "ADMIN_ROLE", "AdminAuth", "add_admin_routes", "admin_body_limit", "admin_guard", "checked_query",
+    "list_page",
+]
 
 log = logging.getLogger("gateway.admin")
 
@@ -81,6 +84,8 @@ ADMIN_PREFIX = "/admin/"
 MIN_TOKEN_LEN = 16
 #: Who is acting, set by the guard on every admin request (the audit trail's "actor").
 ADMIN_ACTOR = web.RequestKey("admin_actor", str)
+#: The role of who is acting: ``admin`` (the admin token, or an admin session) or ``viewer``.
+ADMIN_ROLE = web.RequestKey("admin_role", str)
 #: A key is addressed by its id or its 12-character prefix, never by the raw key.
 _KEY_REF = re.compile(r"[A-Za-z0-9_-]{12}")
 #: Fields of a key whose change an audit row shows (state follows from them).
@@ -155,7 +160,7 @@ def admin_guard(auth: AdminAuth, *, sign_on: bool = False) -> Middleware:
         if resource is None or not resource.canonical.startswith(ADMIN_PREFIX):
             return await handler(request)
         try:
-            request[ADMIN_ACTOR] = await _authorize(request, auth, sign_on)
+            request[ADMIN_ACTOR], request[ADMIN_ROLE] = await _authorize(request, auth, sign_on)
         except AdminUnauthorized:
             log.warning("admin request refused (bad token or session) from %s: %s %s",
                         request.remote, request.method, resource.canonical)
@@ -171,15 +176,16 @@ def admin_guard(auth: AdminAuth, *, sign_on: bool = False) -> Middleware:
     return guard
 
 
-async def _authorize(request: web.Request, auth: AdminAuth, sign_on: bool) -> str:
-    """The actor of this request: the bearer token's, else the session's (role and CSRF checked)."""
+async def _authorize(request: web.Request, auth: AdminAuth, sign_on: bool) -> tuple[str, str]:
+    """The actor of this request and its role: the bearer token's (``admin``), else the
+    session's (role and CSRF checked)."""
     authorization = request.headers.get("Authorization")
     cookie = request.cookies.get(COOKIE)
     if authorization is not None or cookie is None:
         if not auth.enabled and sign_on:
             # Single sign-on only: no token to present, a session to sign in for.
             raise AdminDisabled("no ADMIN_TOKEN is set: sign in at /ui/ for a session")
-        return auth.check(authorization)
+        return auth.check(authorization), "admin"
     try:
         session = await SessionStore(request.app[STATE].pool).get(cookie, admin_fingerprint=auth.fingerprint)
     except CONNECTION_ERRORS:
@@ -191,7 +197,7 @@ async def _authorize(request: web.Request, auth: AdminAuth, sign_on: bool) -> st
             raise CsrfRefused()
         if not session.may_change:
             raise ReadOnlyRole()
-    return session.principal
+    return session.principal, session.role
 
 
 def admin_body_limit(body_limit: int) -> int:
@@ -204,7 +210,8 @@ def _json(obj: Any, *, status: int = 200, headers: dict[str, str] | None = None)
     return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json", headers=headers)
 
 
-def _query(request: web.Request, kind: str) -> dict[str, str]:
+def checked_query(request: web.Request, kind: str) -> dict[str, str]:
+    """The query string of a route of ``kind`` (``QUERIES``), unknown parameters refused (400)."""
     allowed = _QUERY_PARAMS[kind]
     for name in request.query:
         if name not in allowed:
@@ -236,7 +243,7 @@ def _no_budget(subject_id: uuid.UUID) -> NotFound:
     return NotFound(f"subject {subject_id} has no budget", code="budget_not_found")
 
 
-def _page(items: Sequence[dict[str, Any]], limit: int, id_field: str) -> dict[str, Any]:
+def list_page(items: Sequence[dict[str, Any]], limit: int, id_field: str) -> dict[str, Any]:
     """OpenAI's list shape; ``items`` holds up to ``limit + 1`` entries (the extra one says "more")."""
     shown = list(items[:limit])
     return {
@@ -303,7 +310,7 @@ def _limit(request: web.Request) -> int:
 # -- keys ---------------------------------------------------------------------------
 async def create_key(request: web.Request) -> web.Response:
     """``POST /admin/keys``: 201 with the raw key, shown this once."""
-    _query(request, "none")
+    checked_query(request, "none")
     spec = parse_key_create(await read_admin_body(request, _limit(request)))
     async with _audited(request) as change:
         raw, record = await change.keys.create(
@@ -318,16 +325,16 @@ async def create_key(request: web.Request) -> web.Response:
 
 async def list_keys(request: web.Request) -> web.Response:
     """``GET /admin/keys``: newest first, by subject and state, paged with ``after``."""
-    q = parse_key_list_query(_query(request, "keys"))
+    q = parse_key_list_query(checked_query(request, "keys"))
     records = await request.app[STATE].keys.list(
         subject_id=q.subject_id, state=q.state, limit=q.limit + 1, after=q.after,
     )
-    return _json(_page([r.to_json() for r in records], q.limit, "api_key_id"))
+    return _json(list_page([r.to_json() for r in records], q.limit, "api_key_id"))
 
 
 async def get_key(request: web.Request) -> web.Response:
     """``GET /admin/keys/{id}`` (id or 12-character prefix)."""
-    _query(request, "none")
+    checked_query(request, "none")
     ref = _key_ref(request)
     with _store_errors():
         record = await request.app[STATE].keys.get(ref)
@@ -336,7 +343,7 @@ async def get_key(request: web.Request) -> web.Response:
 
 async def update_key(request: web.Request) -> web.Response:
     """``PATCH /admin/keys/{id}``: only the fields sent change; every replica within a second."""
-    _query(request, "none")
+    checked_query(request, "none")
     ref = _key_ref(request)
     patch = parse_key_patch(await read_admin_body(request, _limit(request)))
     async with _audited(request) as change:
@@ -350,7 +357,7 @@ async def update_key(request: web.Request) -> web.Response:
 
 async def revoke_key(request: web.Request) -> web.Response:
     """``POST /admin/keys/{id}/revoke``: idempotent; an optional ``reason`` is audited."""
-    _query(request, "none")
+    checked_query(request, "none")
     ref = _key_ref(request)
     reason = parse_revoke(await read_admin_body(request, _limit(request), optional=True))
     async with _audited(request) as change:
@@ -366,7 +373,7 @@ async def revoke_key(request: web.Request) -> web.Response:
 async def rotate_key(request: web.Request) -> web.Response:
     """``POST /admin/keys/{id}/rotate``: 201 with the new raw key; the old one is revoked,
     or keeps working for ``grace_seconds`` (its expiry is moved in)."""
-    _query(request, "none")
+    checked_query(request, "none")
     ref = _key_ref(request)
     rotation = parse_rotation(await read_admin_body(request, _limit(request), optional=True))
     async with _audited(request) as change:
@@ -391,14 +398,14 @@ async def rotate_key(request: web.Request) -> web.Response:
 # -- subject budgets ------------------------------------------------------------------
 async def list_budgets(request: web.Request) -> web.Response:
     """``GET /admin/budgets``: subject budgets in subject order, paged with ``after``."""
-    q = parse_budget_list_query(_query(request, "budgets"))
+    q = parse_budget_list_query(checked_query(request, "budgets"))
     budgets = await SubjectBudgetStore(request.app[STATE].pool).list(limit=q.limit + 1, after=q.after)
-    return _json(_page([b.to_json() for b in budgets], q.limit, "subject_id"))
+    return _json(list_page([b.to_json() for b in budgets], q.limit, "subject_id"))
 
 
 async def get_budget(request: web.Request) -> web.Response:
     """``GET /admin/budgets/{subject_id}``: one subject's budget, or 404."""
-    _query(request, "none")
+    checked_query(request, "none")
     subject_id = _subject_ref(request)
     budget = await SubjectBudgetStore(request.app[STATE].pool).get(subject_id)
     if budget is None:
@@ -415,7 +422,7 @@ def _budget_fields(budget: SubjectBudget | None) -> dict[str, Any]:
 async def put_budget(request: web.Request) -> web.Response:
     """``PUT /admin/budgets/{subject_id}``: set or replace the budget of all the subject's
     keys together; 201 when the subject had none, else 200."""
-    _query(request, "none")
+    checked_query(request, "none")
     subject_id = _subject_ref(request)
     spec = parse_budget_set(await read_admin_body(request, _limit(request)))
     async with _audited(request) as change:
@@ -435,7 +442,7 @@ async def put_budget(request: web.Request) -> web.Response:
 async def delete_budget(request: web.Request) -> web.Response:
     """``DELETE /admin/budgets/{subject_id}``: the subject's keys are capped by their own
     budgets only; answers the budget removed, or 404."""
-    _query(request, "none")
+    checked_query(request, "none")
     subject_id = _subject_ref(request)
     async with _audited(request) as change:
         before = await change.budgets.get(subject_id, for_update=True)
@@ -449,22 +456,22 @@ async def delete_budget(request: web.Request) -> web.Response:
 # -- audit, usage, providers --------------------------------------------------------
 async def list_audit(request: web.Request) -> web.Response:
     """``GET /admin/audit``: admin changes, newest first, paged with ``after``."""
-    q = parse_audit_query(_query(request, "audit"))
+    q = parse_audit_query(checked_query(request, "audit"))
     entries = await AuditLog(request.app[STATE].pool).page(
         limit=q.limit + 1, after=q.after, api_key_id=q.api_key_id, action=q.action,
     )
-    return _json(_page([e.to_json() for e in entries], q.limit, "id"))
+    return _json(list_page([e.to_json() for e in entries], q.limit, "id"))
 
 
 async def usage(request: web.Request) -> web.Response:
     """``GET /admin/usage?group_by=key|model|day&since=&until=&api_key_id=``."""
-    q = parse_usage_query(_query(request, "usage"))
+    q = parse_usage_query(checked_query(request, "usage"))
     return _json(await admin_views.usage_view(request.app[STATE], q))
 
 
 async def providers(request: web.Request) -> web.Response:
     """``GET /admin/providers``: providers, deployments, circuit state, latency, error rate."""
-    _query(request, "none")
+    checked_query(request, "none")
     return _json(admin_views.providers_view(request.app[STATE]))
 
 

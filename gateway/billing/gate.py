@@ -90,7 +90,7 @@ class BudgetGate:
                 refused = await self.store.reserve(reservation, self.ttl)
         except Exception as exc:
             log.warning("billing: budget store unreachable (%s: %s); budgeted calls refused",
-                        type(exc).__name__, exc)
+                        type(exc).__name__, exc or f"no answer within {RESERVE_TIMEOUT:g} s")
             raise ServiceUnavailable(
                 "budgets cannot be checked right now (budget store unreachable); try again shortly",
                 code="budget_unavailable", retry_after=1,

@@ -7,9 +7,14 @@ Layout under the journal root (``BILLING_JOURNAL_DIR``, default
     <ledger_id>/slot-<n>/segment-000000000007.jsonl one JSON line per event
     <ledger_id>/slot-<n>/rejected.jsonl             lines the ledger refused (kept, logged)
 
-* Events are appended to an in-memory buffer (no I/O on the caller's path) and
-  group-committed by :meth:`Journal.commit`: one ``write`` and one ``fsync`` for
-  everything buffered, in a worker thread so the event loop never waits on the disk.
+* An event is written to the active segment the moment it is appended: one ``write``
+  into the kernel's page cache (microseconds, no wait on the disk), so a process that
+  dies right after, even by SIGKILL, has left it in the file. :meth:`Journal.commit`
+  then makes it survive a power cut too: one ``fsync`` for everything written since the
+  last one, in a worker thread so the event loop never waits on the disk.
+* While a worker thread writes (a seal, or a retry after a disk error) events are
+  buffered in memory instead and written by the next commit, so a failed write can be
+  cut back to the file's last good end without cutting anybody else's line.
 * The active segment is sealed by :meth:`Journal.seal` before shipping; a sealed segment
   is deleted (:meth:`Journal.discard`) only after the ledger committed every line of it.
   Shipping a segment twice is harmless (the ledger ignores known ``call_id``\\ s).
@@ -150,6 +155,12 @@ class Journal:
         self._fd: int | None = None
         self._size = 0
         self._buffer: list[bytes] = []
+        #: Lines written straight into the active segment and not yet fsync'd; whether its
+        #: directory entry is (a segment file the event loop created).
+        self._unsynced = 0
+        self._dir_unsynced = False
+        #: A worker thread is writing buffered lines: appends buffer rather than write.
+        self._thread_writes = False
         self._io_lock = asyncio.Lock()
         self._has_data = asyncio.Event()
         self.commits = 0
@@ -231,7 +242,9 @@ class Journal:
 
     # -- appending and committing --------------------------------------------------------
     def append(self, line: bytes, api_key_id: uuid.UUID, subject_id: uuid.UUID, cost_micro_usd: int) -> None:
-        """Buffer one event line; :meth:`commit` makes it durable. Never blocks."""
+        """Write one event line into the active segment (the page cache: it outlives the
+        process from here on); :meth:`commit` fsyncs it. Never waits on the disk: while a
+        worker thread writes, or after a failed write, the line is buffered instead."""
         if self._lock_fd is None:
             self._append_after_close(line)
             return
@@ -240,8 +253,30 @@ class Journal:
             self._next_seq += 1
         self._active.lines += 1
         self._active.add_spend(api_key_id, subject_id, cost_micro_usd)
-        self._buffer.append(line)
+        if self._buffer or self._thread_writes or not self._write_through(self._active.path, line):
+            self._buffer.append(line)
         self._has_data.set()
+
+    def _write_through(self, path: Path, line: bytes) -> bool:
+        """Write ``line`` at the end of the active segment on the event loop's thread; False
+        (the file cut back to its last good end) when the disk refuses it."""
+        try:
+            if self._fd is None:
+                self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                self._size = 0
+                self._dir_unsynced = True
+            written = os.write(self._fd, line)
+        except OSError as exc:
+            log.warning("billing journal: write failed (%s); events wait in memory for the next commit", exc)
+            written = -1
+        if written == len(line):
+            self._size += written
+            self._unsynced += 1
+            return True
+        if self._fd is not None and written > 0:  # a short write (disk full): never leave half a line
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+        return False
 
     async def wait_for_data(self) -> None:
         """Return when something is buffered and not yet committed (or on :meth:`wake`)."""
@@ -264,23 +299,62 @@ class Journal:
     async def _commit_locked(self) -> int:
         count = len(self._buffer)
         if count == 0:
-            self._has_data.clear()
-            return 0
+            return await self._sync_written()
         assert self._active is not None
         data = b"".join(self._buffer)
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._write_sync, self._active.path, data)
+        synced, self._unsynced = self._unsynced, 0
+        self._thread_writes = True
+        try:
+            await loop.run_in_executor(None, self._write_sync, self._active.path, data)
+        except BaseException:
+            self._unsynced += synced
+            raise
+        finally:
+            self._thread_writes = False
         del self._buffer[:count]
-        if not self._buffer:
+        if not self._buffer and not self._unsynced:
             self._has_data.clear()
         self.commits += 1
-        return count
+        return count + synced
+
+    async def _sync_written(self) -> int:
+        """fsync the lines written straight into the active segment. Appends go on
+        writing meanwhile (an fsync and a write to one file do not conflict); those
+        that land after the fsync began wait for the next commit."""
+        synced = self._unsynced
+        fd = self._fd
+        if synced == 0 or fd is None:
+            self._has_data.clear()
+            return 0
+        self._unsynced = 0
+        self._has_data.clear()
+        dir_unsynced, self._dir_unsynced = self._dir_unsynced, False
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self._fsync_sync, fd, dir_unsynced)
+        except BaseException:
+            self._unsynced += synced
+            self._dir_unsynced = self._dir_unsynced or dir_unsynced
+            self._has_data.set()
+            raise
+        self.commits += 1
+        return synced
+
+    def _fsync_sync(self, fd: int, dir_too: bool) -> None:
+        os.fsync(fd)
+        if dir_too:
+            _fsync_dir(self.directory)
 
     def _write_sync(self, path: Path, data: bytes) -> None:
+        """Append ``data`` (possibly nothing) and fsync: the file and, when it is new or
+        was created by a write-through, its directory entry."""
         if self._fd is None:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             self._size = 0
+            self._dir_unsynced = True
+        if self._dir_unsynced:
             _fsync_dir(self.directory)
+            self._dir_unsynced = False
         fd = self._fd
         start = self._size
         try:
@@ -309,20 +383,29 @@ class Journal:
                 return None
             self._active = None
             count = len(self._buffer)
+            synced, self._unsynced = self._unsynced, 0
+            # Appends made while the thread works belong to the next segment: buffered,
+            # since the open file is this one's.
+            self._thread_writes = True
             try:
-                if count:
+                if count or synced or self._dir_unsynced:
                     data = b"".join(self._buffer[:count])
                     await asyncio.get_running_loop().run_in_executor(None, self._write_sync, segment.path, data)
                     del self._buffer[:count]
                     self.commits += 1
             except BaseException:
+                self._unsynced += synced
                 self._reattach(segment)
                 raise
-            if not self._buffer:
-                self._has_data.clear()
+            finally:
+                self._thread_writes = False
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+            if self._buffer:
+                self._has_data.set()  # the next segment's first lines: the committer writes them
+            else:
+                self._has_data.clear()
             self._sealed.append(segment)
             return segment
 
@@ -375,8 +458,8 @@ class Journal:
 
     @property
     def buffered(self) -> int:
-        """Events appended but not yet fsync'd."""
-        return len(self._buffer)
+        """Events appended but not yet fsync'd (in memory, or written and awaiting fsync)."""
+        return len(self._buffer) + self._unsynced
 
     @property
     def active_lines(self) -> int:
@@ -403,10 +486,11 @@ class Journal:
         """Release the slot. Anything still buffered is written and fsync'd first."""
         if self._lock_fd is None:
             return
-        if self._buffer and self._active is not None:
+        if (self._buffer or self._unsynced) and self._active is not None:
             try:
                 self._write_sync(self._active.path, b"".join(self._buffer))
                 self._buffer.clear()
+                self._unsynced = 0
             except OSError as exc:
                 log.error("billing journal: %d event(s) could not be written at close: %s", len(self._buffer), exc)
         if self._fd is not None:

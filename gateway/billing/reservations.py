@@ -7,22 +7,32 @@ cost is ``tokens * price`` rounded up to the micro-dollar.
 
 Two shared stores, so every replica sees every reservation at once:
 
-* :class:`PostgresReservations` (no ``REDIS_URL``): one call of ``budget_reserve()``
-  (sql/0008) per call, and nothing at the end: the ledger's trigger deletes the
+* :class:`PostgresReservations` (no ``REDIS_URL``): one call of ``budget_reserve_batch()``
+  (sql/0016) per round trip, and nothing at the end: the ledger's trigger deletes the
   reservation in the transaction that adds the call's real cost to ``budget_spend``.
-* :class:`RedisReservations`: one atomic Lua script to reserve, one to settle. Spend of
-  each budget period is kept in Redis; a budget Redis has never seen (or has lost) is
-  seeded from ``budget_spend`` first.
+* :class:`RedisReservations`: one atomic Lua script per round trip to reserve, one to
+  settle. Spend of each budget period is kept in Redis; a budget Redis has never seen
+  (or has lost) is seeded from ``budget_spend`` first.
+
+In both, the reservations (and Redis settlements) a process makes while its previous
+round trip is in flight go together in the next one (:mod:`gateway.billing.coalesce`),
+admitted in arrival order exactly as one by one: a burst of one key's calls costs a few
+round trips, not one each queued behind the budget's lock.
 
 Both expire a reservation whose process died after ``ttl`` seconds.
+
+(Just over 500 lines: the arithmetic, both stores and the Redis scripts stay together so
+that the one admission rule reads in one place; the generic batching is its own module.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import logging
 import math
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from decimal import ROUND_CEILING, Decimal
@@ -31,6 +41,7 @@ from typing import Any, Protocol
 import asyncpg
 import orjson
 
+from gateway.billing.coalesce import Coalescer
 from gateway.core.config import Price
 
 __all__ = [
@@ -49,6 +60,13 @@ __all__ = [
     "worst_case_micro_usd",
 ]
 
+log = logging.getLogger("gateway.billing")
+
+#: Reservations (or settlements) sent in one round trip at most; more wait for the next.
+MAX_BATCH = 256
+#: Longest one round trip to the store may take before every call it carries is failed
+#: (and answered 503 by the gate: fail closed).
+ROUND_TRIP_TIMEOUT = 2.0
 #: Output tokens reserved for a call that sends no ``max_tokens`` when its model group sets
 #: no ``max_output_tokens``.
 DEFAULT_OUTPUT_CAP = 4096
@@ -145,9 +163,51 @@ class ReservationStore(Protocol):
         """Let go of connections the store opened itself."""
 
 
-def _sorted(budgets: Sequence[Budget]) -> list[tuple[int, Budget]]:
-    """Budgets in one global order (locks are taken in it), with their original index."""
-    return sorted(enumerate(budgets), key=lambda ib: (ib[1].scope, str(ib[1].id), ib[1].period))
+class _Plan:
+    """A batch of reservations laid out for one round trip: the distinct budgets it touches,
+    in the one global order locks are taken in (so replicas never deadlock), and for each
+    call the index of each of its budgets (in the call's own order) among them."""
+
+    __slots__ = ("budgets", "pair_budgets", "pair_calls", "pair_limits", "slots")
+
+    def __init__(self, reservations: Sequence[Reservation]) -> None:
+        # A budget is who, which period and since when; never its limit: a limit changed
+        # between two calls of one batch is still the one budget, counted once.
+        distinct: dict[tuple[str, uuid.UUID, str, date], Budget] = {}
+        for reservation in reservations:
+            for b in reservation.budgets:
+                distinct.setdefault((b.scope, b.id, b.period, b.start), b)
+        self.budgets = sorted(distinct.values(), key=lambda b: (b.scope, str(b.id), b.period, b.start))
+        index = {(b.scope, b.id, b.period, b.start): i for i, b in enumerate(self.budgets)}
+        self.slots = [[index[(b.scope, b.id, b.period, b.start)] for b in r.budgets] for r in reservations]
+        #: Per (call, budget) pair, grouped by call: 1-based call and budget, and the limit.
+        self.pair_calls = [call + 1 for call, slots in enumerate(self.slots) for _ in slots]
+        self.pair_budgets = [slot + 1 for slots in self.slots for slot in slots]
+        self.pair_limits = [b.limit_micro_usd for r in reservations for b in r.budgets]
+
+
+class _Releases:
+    """Best-effort releases running in the background (the TTL is their backstop)."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self, release: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(self._quietly(release))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _quietly(release: Coroutine[Any, Any, None]) -> None:
+        try:
+            await release
+        except Exception as exc:  # noqa: BLE001 - the reservation expires by itself
+            log.warning("billing: could not release a reservation of a call that was not sent (%s: %s); "
+                        "it expires by itself", type(exc).__name__, exc)
+
+    async def wait(self) -> None:
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=ROUND_TRIP_TIMEOUT + 1)
 
 
 async def keep_session(conn: asyncpg.Connection) -> None:
@@ -156,9 +216,10 @@ async def keep_session(conn: asyncpg.Connection) -> None:
     asyncpg's default reset sends ``SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *;
     RESET ALL`` on every release: a second database round trip per budgeted call (and
     PostgreSQL's CPU, on the gateway's host). A connection that only runs
-    ``budget_reserve()`` never holds a session lock, a cursor, a LISTEN or a setting
-    (its advisory locks are transaction-scoped), so there is nothing to reset; asyncpg
-    still rolls back an open transaction client-side before calling this.
+    ``budget_reserve_batch()`` and the release of reservations never holds a session lock,
+    a cursor, a LISTEN or a setting (its advisory locks are transaction-scoped), so there
+    is nothing to reset; asyncpg still rolls back an open transaction client-side before
+    calling this.
     """
 
 
@@ -173,33 +234,57 @@ async def connect_reservation_pool(dsn: str, *, max_size: int = 10) -> asyncpg.P
 class PostgresReservations:
     """Reservations in ``budget_reservations``; settled by the ledger's trigger.
 
+    Reservations arriving while one round trip is in flight go together in the next, as
+    one call of ``budget_reserve_batch()`` (sql/0016, see :mod:`gateway.billing.coalesce`).
+
     ``own_pool`` (closed with the store) serves the reservations themselves: a pool whose
-    connections skip the reset query on release (:func:`keep_session`), so a budgeted call
-    costs one round trip, not two. Without it the shared ``pool`` is used.
+    connections skip the reset query on release (:func:`keep_session`), so a round trip
+    is one round trip, not two. Without it the shared ``pool`` is used.
     """
 
     settles_explicitly = False
 
-    def __init__(self, pool: asyncpg.Pool, *, own_pool: asyncpg.Pool | None = None) -> None:
+    def __init__(self, pool: asyncpg.Pool, *, own_pool: asyncpg.Pool | None = None, max_batch: int = MAX_BATCH) -> None:
         self._pool = pool
         self._own_pool = own_pool
+        self.batcher: Coalescer[tuple[Reservation, float], int] = Coalescer(
+            self._round_trip, max_batch=max_batch, timeout=ROUND_TRIP_TIMEOUT, lost=self._release_lost,
+            name="PostgreSQL budget store",
+        )
+        self._releases = _Releases()
 
     async def reserve(self, reservation: Reservation, ttl: float) -> int | None:
-        order = _sorted(reservation.budgets)
-        refused = await (self._own_pool or self._pool).fetchval(
-            "SELECT budget_reserve($1, $2, $3, $4, $5, $6, $7, $8)",
-            reservation.reservation_id,
-            [b.scope for _, b in order], [b.id for _, b in order], [b.period for _, b in order],
-            [b.start for _, b in order], [b.limit_micro_usd for _, b in order],
-            reservation.amount_micro_usd, ttl,
+        refused = await self.batcher.submit((reservation, ttl))
+        return None if refused == 0 else refused - 1
+
+    async def _round_trip(self, items: list[tuple[Reservation, float]]) -> list[int]:
+        plan = _Plan([r for r, _ in items])
+        answers = await (self._own_pool or self._pool).fetchval(
+            "SELECT budget_reserve_batch($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            [r.reservation_id for r, _ in items], [r.amount_micro_usd for r, _ in items], [ttl for _, ttl in items],
+            [b.scope for b in plan.budgets], [b.id for b in plan.budgets], [b.period for b in plan.budgets],
+            [b.start for b in plan.budgets], plan.pair_calls, plan.pair_budgets, plan.pair_limits,
         )
-        return None if not refused else order[int(refused) - 1][0]
+        return [int(a) for a in answers]
+
+    def _release_lost(self, lost: list[tuple[tuple[Reservation, float], int | None]]) -> None:
+        """Reservations admitted (or perhaps admitted) for calls that will not be sent."""
+        ids = [item[0].reservation_id for item, answer in lost if answer is None or answer == 0]
+        if ids:
+            self._releases.start(self._release(ids))
+
+    async def _release(self, ids: list[uuid.UUID]) -> None:
+        async with asyncio.timeout(ROUND_TRIP_TIMEOUT):
+            await (self._own_pool or self._pool).execute(
+                "DELETE FROM budget_reservations WHERE reservation_id = ANY($1::uuid[])", ids)
 
     async def settle(self, reservation: Reservation, cost_micro_usd: int) -> None:
-        """Nothing to do: the call's ledger row releases it (see sql/0008)."""
+        """Nothing to do: the call's ledger row releases it (see sql/0010)."""
 
     async def close(self) -> None:
         """Close the store's own pool (the shared one is the gateway's)."""
+        await self.batcher.close()
+        await self._releases.wait()
         if self._own_pool is not None:
             own, self._own_pool = self._own_pool, None
             await own.close()
@@ -207,51 +292,83 @@ class PostgresReservations:
 
 # KEYS: one hash per budget (field "spent", fields "r:<id>" = reserved micro-USD) and one
 # sorted set of reservation expiries per budget, interleaved: h1, z1, h2, z2, ...
-# ARGV: reservation id, amount, ttl ms, key ttl seconds (0: none) per budget..., limits...
-# Returns {1} admitted, {0, i} budget i (1-based) full, {-1, i} budget i not seeded.
+# ARGV: the number of calls, then per budget its key TTL in seconds (0: none), then per
+# call (in arrival order): id, amount, TTL ms, its budget count k, then k pairs of
+# (budget index, limit). Every budget's open reservations are summed once; the calls are
+# then admitted in order, each against all its budgets or none, exactly as one script per
+# call would. Returns {1, answer per call} (0 admitted, else the 1-based position of the
+# first of its budgets that is full), or {-1, budget index...} when budgets are not seeded
+# (nothing admitted then).
 _RESERVE_LUA = """
 local n = #KEYS / 2
+local unseeded = {-1}
+for i = 1, n do
+  if redis.call('HEXISTS', KEYS[2 * i - 1], 'spent') == 0 then unseeded[#unseeded + 1] = i end
+end
+if #unseeded > 1 then return unseeded end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local id, amount, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local used, touched = {}, {}
 for i = 1, n do
   local h, z = KEYS[2 * i - 1], KEYS[2 * i]
-  local spent = redis.call('HGET', h, 'spent')
-  if not spent then return {-1, i} end
   local expired = redis.call('ZRANGEBYSCORE', z, '-inf', now)
   for _, r in ipairs(expired) do redis.call('HDEL', h, 'r:' .. r) end
   if #expired > 0 then redis.call('ZREMRANGEBYSCORE', z, '-inf', now) end
-  local used = tonumber(spent)
   local all = redis.call('HGETALL', h)
+  local sum = 0
   for j = 1, #all, 2 do
-    if string.sub(all[j], 1, 2) == 'r:' then used = used + tonumber(all[j + 1]) end
+    if all[j] == 'spent' or string.sub(all[j], 1, 2) == 'r:' then sum = sum + tonumber(all[j + 1]) end
   end
-  if used + amount > tonumber(ARGV[3 + n + i]) then return {0, i} end
+  used[i] = sum
+end
+local calls = tonumber(ARGV[1])
+local answers = {1}
+local p = n + 2
+for c = 1, calls do
+  local id, amount, ttl, k = ARGV[p], tonumber(ARGV[p + 1]), tonumber(ARGV[p + 2]), tonumber(ARGV[p + 3])
+  local refused = 0
+  for j = 1, k do
+    local b = tonumber(ARGV[p + 2 + 2 * j])
+    if refused == 0 and used[b] + amount > tonumber(ARGV[p + 3 + 2 * j]) then refused = j end
+  end
+  if refused == 0 then
+    for j = 1, k do
+      local b = tonumber(ARGV[p + 2 + 2 * j])
+      used[b] = used[b] + amount
+      touched[b] = true
+      redis.call('HSET', KEYS[2 * b - 1], 'r:' .. id, amount)
+      redis.call('ZADD', KEYS[2 * b], now + ttl, id)
+    end
+  end
+  answers[#answers + 1] = refused
+  p = p + 4 + 2 * k
 end
 for i = 1, n do
-  local h, z = KEYS[2 * i - 1], KEYS[2 * i]
-  redis.call('HSET', h, 'r:' .. id, amount)
-  redis.call('ZADD', z, now + ttl, id)
-  local keep = tonumber(ARGV[3 + i])
-  if keep > 0 then redis.call('EXPIRE', h, keep); redis.call('EXPIRE', z, keep) end
+  local keep = tonumber(ARGV[1 + i])
+  if touched[i] and keep > 0 then redis.call('EXPIRE', KEYS[2 * i - 1], keep); redis.call('EXPIRE', KEYS[2 * i], keep) end
 end
-return {1}
+return answers
 """
 
-# KEYS as above; ARGV: reservation id, cost. The cost counts even if the reservation
-# expired meanwhile (a call longer than the TTL still spent it); a budget Redis lost is
-# seeded from the ledger later, which will hold this call by then.
+# KEYS as above; ARGV: the number of settlements, then per settlement: reservation id,
+# cost, its budget count k, then k budget indices. The cost counts even if the
+# reservation expired meanwhile (a call longer than the TTL still spent it); a budget
+# Redis lost is seeded from the ledger later, which will hold this call by then.
 _SETTLE_LUA = """
-local n = #KEYS / 2
-for i = 1, n do
-  local h, z = KEYS[2 * i - 1], KEYS[2 * i]
-  redis.call('ZREM', z, ARGV[1])
-  redis.call('HDEL', h, 'r:' .. ARGV[1])
-  if redis.call('HEXISTS', h, 'spent') == 1 then
-    redis.call('HINCRBY', h, 'spent', ARGV[2])
+local calls = tonumber(ARGV[1])
+local p = 2
+for c = 1, calls do
+  local id, cost, k = ARGV[p], ARGV[p + 1], tonumber(ARGV[p + 2])
+  for j = 1, k do
+    local b = tonumber(ARGV[p + 2 + j])
+    local h, z = KEYS[2 * b - 1], KEYS[2 * b]
+    redis.call('ZREM', z, id)
+    redis.call('HDEL', h, 'r:' .. id)
+    if redis.call('HEXISTS', h, 'spent') == 1 then redis.call('HINCRBY', h, 'spent', cost) end
   end
+  p = p + 3 + k
 end
-return 1
+return calls
 """
 
 #: How long Redis keeps a period's spend after the period began (then it is only history).
@@ -259,16 +376,26 @@ _KEEP_SECONDS = {"day": 2 * 86400, "month": 33 * 86400, "total": 0}
 
 
 class RedisReservations:
-    """Reservations and period spend in Redis, two atomic scripts per call."""
+    """Reservations and period spend in Redis: one atomic script per batch of reservations
+    (calls that arrive while one is in flight, see :mod:`gateway.billing.coalesce`) and one
+    per batch of settlements."""
 
     settles_explicitly = True
 
-    def __init__(self, redis: Any, pool: asyncpg.Pool, *, prefix: str = "llmg:budget") -> None:
+    def __init__(self, redis: Any, pool: asyncpg.Pool, *, prefix: str = "llmg:budget", max_batch: int = MAX_BATCH) -> None:
         self._redis = redis
         self._pool = pool
         self._prefix = prefix
-        self._reserve = redis.register_script(_RESERVE_LUA)
-        self._settle = redis.register_script(_SETTLE_LUA)
+        self._reserve_script = redis.register_script(_RESERVE_LUA)
+        self._settle_script = redis.register_script(_SETTLE_LUA)
+        self.batcher: Coalescer[tuple[Reservation, float], int] = Coalescer(
+            self._reserve_round_trip, max_batch=max_batch, timeout=ROUND_TRIP_TIMEOUT, lost=self._release_lost,
+            name="Redis budget store",
+        )
+        self.settle_batcher: Coalescer[tuple[Reservation, int], None] = Coalescer(
+            self._settle_round_trip, max_batch=max_batch, timeout=ROUND_TRIP_TIMEOUT, name="Redis budget store",
+        )
+        self._releases = _Releases()
 
     def _keys(self, budgets: Sequence[Budget]) -> list[str]:
         keys: list[str] = []
@@ -277,21 +404,31 @@ class RedisReservations:
         return keys
 
     async def reserve(self, reservation: Reservation, ttl: float) -> int | None:
-        budgets = reservation.budgets
-        args = [
-            str(reservation.reservation_id), reservation.amount_micro_usd, int(ttl * 1000),
-            *(_KEEP_SECONDS[b.period] for b in budgets), *(b.limit_micro_usd for b in budgets),
-        ]
+        refused = await self.batcher.submit((reservation, ttl))
+        return None if refused == 0 else refused - 1
+
+    async def _reserve_round_trip(self, items: list[tuple[Reservation, float]]) -> list[int]:
+        plan = _Plan([r for r, _ in items])
+        args: list[Any] = [len(items), *(_KEEP_SECONDS[b.period] for b in plan.budgets)]
+        for call, (reservation, ttl) in enumerate(items):
+            slots = plan.slots[call]
+            args += [str(reservation.reservation_id), reservation.amount_micro_usd, int(ttl * 1000), len(slots)]
+            for slot, budget in zip(slots, reservation.budgets, strict=True):
+                args += [slot + 1, budget.limit_micro_usd]
+        keys = self._keys(plan.budgets)
         for _attempt in range(3):
-            result = await self._reserve(keys=self._keys(budgets), args=args)
-            status = int(result[0])
-            if status == 1:
-                return None
-            index = int(result[1]) - 1
-            if status == 0:
-                return index
-            await self._seed(budgets[index])
+            result = await self._reserve_script(keys=keys, args=args)
+            if int(result[0]) == 1:
+                return [int(a) for a in result[1:]]
+            for index in result[1:]:
+                await self._seed(plan.budgets[int(index) - 1])
         raise RuntimeError("budget spend could not be seeded in Redis")
+
+    def _release_lost(self, lost: list[tuple[tuple[Reservation, float], int | None]]) -> None:
+        """Reservations admitted (or perhaps admitted) for calls that will not be sent."""
+        for (reservation, _ttl), answer in lost:
+            if answer is None or answer == 0:
+                self._releases.start(self.settle(reservation, 0))
 
     async def _seed(self, budget: Budget) -> None:
         """A budget Redis has not seen: its spend so far, from the ledger's budget_spend."""
@@ -304,11 +441,21 @@ class RedisReservations:
         await self._redis.hsetnx(f"{self._prefix}:{budget.redis_name}", "spent", int(spent or 0))
 
     async def settle(self, reservation: Reservation, cost_micro_usd: int) -> None:
-        await self._settle(
-            keys=self._keys(reservation.budgets), args=[str(reservation.reservation_id), cost_micro_usd]
-        )
+        await self.settle_batcher.submit((reservation, cost_micro_usd))
+
+    async def _settle_round_trip(self, items: list[tuple[Reservation, int]]) -> list[None]:
+        plan = _Plan([r for r, _ in items])
+        args: list[Any] = [len(items)]
+        for call, (reservation, cost) in enumerate(items):
+            slots = plan.slots[call]
+            args += [str(reservation.reservation_id), cost, len(slots), *(slot + 1 for slot in slots)]
+        await self._settle_script(keys=self._keys(plan.budgets), args=args)
+        return [None] * len(items)
 
     async def close(self) -> None:
+        await self.batcher.close()
+        await self._releases.wait()
+        await self.settle_batcher.close()
         await self._redis.aclose()
 
 

@@ -45,6 +45,7 @@ from pydantic.dataclasses import dataclass
 from gateway.core.admin_config import AdminSettings, OidcSettings
 from gateway.core.extras import extra_installed
 from gateway.core.guardrail_config import GuardrailSettings
+from gateway.core.request_log_config import RequestLogSettings
 from gateway.core.schema import SHAPE, Number, first_problem, problem, says
 from gateway.core.schema import Section as _Section
 from gateway.core.settings import (
@@ -103,6 +104,8 @@ DEFAULT_BASE_URLS = {
 }
 #: Types whose endpoints follow from their region or location (no base_url needed).
 _NO_BASE_URL = frozenset({"mock", "bedrock", "vertex"})
+#: Types whose deployments may each name their own region (``models[].deployments[].region``).
+_REGIONAL = frozenset({"bedrock"})
 
 #: A duration in seconds as the file writes it; zero would mean "time out at once".
 Seconds = Annotated[Number, Field(ge=0.001)]
@@ -271,11 +274,14 @@ class Deployment(_Section):
     #: (gateway/relay/headroom.py): a deployment out of room is skipped, not sent a 429.
     rpm: Annotated[StrictInt, Field(ge=1)] | None = None
     tpm: Annotated[StrictInt, Field(ge=1)] | None = None
+    #: The cloud region serving this deployment, where its provider type has regions
+    #: (``bedrock``); None means the provider's own ``region``.
+    region: NonEmpty | None = None
 
     @property
     def id(self) -> str:
-        """Stable, bounded identifier used in metrics and the breaker."""
-        return f"{self.provider}/{self.model}"
+        """Stable, bounded identifier used in metrics and the breaker (one per region)."""
+        return f"{self.provider}/{self.model}" if self.region is None else f"{self.provider}/{self.model}@{self.region}"
 
 
 @dataclass(frozen=True, config=SHAPE)
@@ -439,6 +445,7 @@ class GatewayConfig(_Section):
     rate_limits: RateLimitSettings = RateLimitSettings()
     cache: CacheSettings = CacheSettings()
     guardrails: GuardrailSettings = GuardrailSettings()
+    request_logs: RequestLogSettings = RequestLogSettings()
     admin: AdminSettings = AdminSettings()
 
     @classmethod
@@ -447,7 +454,7 @@ class GatewayConfig(_Section):
             raise problem("expected a non-empty mapping", at="providers")
         if not isinstance(data.get("models"), list) or not data["models"]:
             raise problem("expected a non-empty list", at="models")
-        return _drop_nulls(data, "circuit_breaker", "rate_limits", "cache")
+        return _drop_nulls(data, "circuit_breaker", "rate_limits", "cache", "request_logs")
 
     @field_validator("providers", mode="after")
     @classmethod
@@ -470,6 +477,9 @@ def _check_references(config: GatewayConfig) -> None:
         for j, d in enumerate(m.deployments):
             if d.provider not in config.providers:
                 raise ConfigError(f"models[{i}].deployments[{j}].provider: unknown provider {d.provider!r}")
+            if d.region is not None and config.providers[d.provider].type not in _REGIONAL:
+                raise ConfigError(f"models[{i}].deployments[{j}].region: provider {d.provider!r} "
+                                  f"is of type {config.providers[d.provider].type}; only bedrock deployments take a region")
     for i, m in enumerate(config.models):
         if m.name in names[:i]:  # name the second definition: the first one was fine
             raise ConfigError(f"models[{i}].name: {m.name!r} is defined twice")
@@ -487,6 +497,11 @@ def _check_references(config: GatewayConfig) -> None:
     for policy_name, declared in config.guardrails.policies.items():
         if declared.type == "moderation" and declared.model not in names:
             raise ConfigError(f"guardrails.policies.{policy_name}.model: unknown model group {declared.model!r}")
+        if declared.type == "presidio" and not extra_installed("presidio"):
+            raise ConfigError(f"guardrails.policies.{policy_name}.type: presidio needs pip install 'llm-gateway[presidio]'")
+    for j, group in enumerate(config.request_logs.models):
+        if group not in names:
+            raise ConfigError(f"request_logs.models[{j}]: unknown model group {group!r}")
     for i, m in enumerate(config.models):
         for j, policy in enumerate(m.guardrails):
             if policy not in config.guardrails.policies:

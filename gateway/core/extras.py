@@ -22,6 +22,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "vertex": ("google.auth", "requests"),
     # Single sign-on to the admin console: ID token signatures (PyJWT with cryptography).
     "oidc": ("jwt", "cryptography"),
+    # Presidio guardrail policies: Microsoft Presidio's analyzer on spaCy.
+    "presidio": ("presidio_analyzer", "spacy"),
 }
 
 

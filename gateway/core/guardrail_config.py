@@ -12,6 +12,7 @@ is :mod:`gateway.guardrails`, which reads these same classes (one declaration pe
         review:     {type: webhook, url: "https://guard.internal/check", timeout_seconds: 0.5, fail_open: true}
         moderate:   {type: moderation, model: moderation}
         custom:     {type: hook, hook: "mycompany.guards:check"}
+        people:     {type: presidio, mode: redact, entities: [PERSON], spacy_model: en_core_web_lg}
       keys:                         # by key prefix (as ``keys list`` shows it)
         llmg_ab12cd34: [no-secrets]
     models:
@@ -33,7 +34,7 @@ __all__ = ["GuardrailPolicy", "GuardrailSettings"]
 
 Mode = Literal["block", "redact", "log"]
 Direction = Literal["input", "output", "both"]
-PolicyType = Literal["pii", "terms", "max_input", "webhook", "moderation", "hook"]
+PolicyType = Literal["pii", "terms", "max_input", "webhook", "moderation", "hook", "presidio"]
 
 _NEEDS: dict[str, tuple[str, ...]] = {"webhook": ("url",), "moderation": ("model",), "hook": ("hook",)}
 
@@ -64,6 +65,16 @@ class GuardrailPolicy(Section):
     model: StrictStr | None = None
     #: hook: ``module:function``.
     hook: StrictStr | None = None
+    #: presidio: entity names (default: every one it supports here), the language of its
+    #: recognizers, the least score that counts, and a spaCy model installed as a package
+    #: (none: spaCy's blank pipeline, pattern recognizers only).
+    entities: tuple[StrictStr, ...] = ()
+    language: StrictStr = "en"
+    score_threshold: Annotated[Number, Field(ge=0, le=1)] = 0.5
+    spacy_model: StrictStr | None = None
+    #: webhook, moderation, hook on a stream's answer: the text so far is checked again
+    #: each time this many more characters have been relayed, and once before it ends.
+    stream_check_chars: Annotated[StrictInt, Field(ge=1)] = 1000
 
     @model_validator(mode="after")
     def _complete(self) -> GuardrailPolicy:

@@ -245,6 +245,10 @@ class CallRecord:
     protocol: str = "chat"
     #: What guardrail policies did: (policy, action, direction) each, never the text.
     guardrails: tuple[tuple[str, str, str], ...] = ()
+    #: The call listeners (billing, metrics, logs) have seen this record: it is final. A
+    #: stream finishes its record before its end marker is sent, so a client never sees a
+    #: complete answer whose usage event is not yet in the journal.
+    finished: bool = False
 
 
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})

@@ -23,9 +23,11 @@ from actors.breaker import BreakerActor, BreakerHandle
 from actors.cache import start_cache
 from actors.limiter import LimiterActor, LimiterHandle
 from actors.prober import ProberActor, ProberHandle
+from actors.request_logs import RequestLogActor, RequestLogHandle
 from actors.runtime import Supervisor
 from gateway.admin import cache as cache_admin
 from gateway.admin import config as config_admin
+from gateway.admin import request_logs as request_logs_admin
 from gateway.admin import routes as admin
 from gateway.admin.console import add_console
 from gateway.auth.keys import KeyStore
@@ -131,6 +133,12 @@ async def gateway_state(
             reservations=reservations, reservation_ttl=settings.budget_reservation_ttl,
         )
         billing = BillingHandle(billing_actor, await supervisor.start(billing_actor))
+        # Always running (cheap when idle): a reload may opt calls in, and expired rows
+        # are purged whatever the config says now.
+        request_log_actor = RequestLogActor(
+            pool, settings.journal_dir / "request-logs", ship_interval=settings.billing_ship_interval,
+        )
+        request_logs = RequestLogHandle(request_log_actor, await supervisor.start(request_log_actor))
         if billing_actor.has_budgets and (unpriced := unpriced_deployments(config)):
             log.error("budgets: deployments with no price (calls of budgeted keys to them are refused "
                       "with 402 until a price is set): %s", ", ".join(unpriced))
@@ -172,12 +180,14 @@ async def gateway_state(
             call_listeners=[billing.record],
             cache=cache,
             guardrails=guardrails if guardrails.any else None,
+            request_logs=request_logs,
             config_source=default_source(settings),
             provider_pools=pools,
             probes=probes,
             deployment_limits=deployment_limits,
         )
         state.reload_config = ConfigReloader(state, pools)
+        state.metrics.watch(request_logs.metric_families)
         if state.config_source is not None:
             state.metrics.config_loaded_at.set(state.config_source.loaded_at)
         state.metrics.watch_health_checks(lambda: {name: s.healthy for name, s in probes.view.items()})
@@ -278,4 +288,5 @@ def build_management_app(
     cache_admin.add_routes(app)
     add_console(app, admin_auth)
     config_admin.add_routes(app)
+    request_logs_admin.add_routes(app)
     return app

@@ -15,14 +15,13 @@ from typing import Any, ClassVar
 
 from aiohttp import web
 
-from gateway.core.errors import GatewayError, InvalidRequest
-from gateway.core.usage import CallRecord, StreamTap
-from gateway.edge.pipeline import Inbound, Parsed, StreamCut, StreamRelay, serve
-from gateway.http.errors import error_event
-from gateway.protocols.sse import event_data
+from gateway.core.errors import InvalidRequest
+from gateway.core.usage import StreamTap
+from gateway.edge.pipeline import Inbound, Parsed, serve
+from gateway.edge.relays import StreamRelay, TapRelay
 from gateway.providers.base import UpstreamReply
 
-__all__ = ["CHAT", "ChatCompletions", "chat_completions", "parse_chat_body", "settle_from_tap"]
+__all__ = ["CHAT", "ChatCompletions", "chat_completions", "parse_chat_body"]
 
 _USAGE_NULL = b',"usage":null'
 
@@ -49,47 +48,20 @@ def _wants_usage(body: dict[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-def settle_from_tap(tap: StreamTap, record: CallRecord, started: float, prompt_estimate: int) -> None:
-    """Fill the record from a relayed chat stream (the internal shape), whatever the client's
-    protocol: ids, finish reasons, usage (reported, else estimated), chunks, text."""
-    if tap.first_chunk_at is not None:
-        record.ttft = tap.first_chunk_at - started
-    record.response_id = tap.response_id
-    record.served_model = tap.response_model or record.served_model
-    record.finish_reasons = tuple(tap.finish_reasons)
-    record.usage = tap.final_usage(prompt_estimate)
-    record.chunks = tap.chunks
-    record.completion = tap.kept_text()
-
-
-class _ChatRelay(StreamRelay):
+class _ChatRelay(TapRelay):
     """Chat chunks relayed byte for byte, the unasked-for usage hidden."""
 
-    unfinished = "upstream closed the stream before [DONE]"
-
     def __init__(self, tap: StreamTap) -> None:
-        self.tap = tap
+        super().__init__(tap)
         self.strip_usage_null = not tap.client_wants_usage
 
-    def feed(self, event: bytes) -> bytes | None:
-        data = event_data(event)
-        if data is not None and not self.tap.inspect(data):
-            if self.tap.malformed:
-                raise StreamCut("upstream sent an event that is not JSON")
-            return None
+    def no_data(self, event: bytes) -> bytes | None:
+        return event  # a comment or keep-alive reaches a chat client as the provider sent it
+
+    def chunk(self, event: bytes, data: bytes) -> bytes | None:
         if self.strip_usage_null and _USAGE_NULL in event:
             return event.replace(_USAGE_NULL, b"")
         return event
-
-    @property
-    def done(self) -> bool:
-        return self.tap.done
-
-    def error_event(self, error: GatewayError) -> bytes:
-        return error_event(error)
-
-    def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
-        settle_from_tap(self.tap, record, started, prompt_estimate)
 
 
 class ChatCompletions(Inbound):

@@ -4,8 +4,8 @@ Every guarantee of chat completions holds (keys, limits, budgets, routing, break
 retries and failover, cancellation, the ledger with ``protocol`` = ``completions``,
 metrics, spans, the contract's errors). The request is translated to chat
 (:mod:`gateway.protocols.completions`) for every deployment, and the answer and stream
-back, chunk by chunk. The response cache does not serve this route yet (its entries are
-chat answers).
+back, chunk by chunk. The response cache serves it under chat's rules: its entries are
+chat answers, rendered as text completions on a hit (docs/cache.md).
 """
 
 from __future__ import annotations
@@ -15,17 +15,15 @@ from typing import Any, ClassVar
 import orjson
 from aiohttp import web
 
-from gateway.core.errors import GatewayError, InvalidRequest, UpstreamUnavailable
-from gateway.core.usage import CallRecord, StreamTap
-from gateway.edge.chat import settle_from_tap
-from gateway.edge.pipeline import Inbound, Parsed, StreamCut, StreamRelay, serve
-from gateway.http.errors import error_event
+from gateway.core.errors import InvalidRequest, UpstreamUnavailable
+from gateway.core.usage import StreamTap
+from gateway.edge.pipeline import Inbound, Parsed, serve
+from gateway.edge.relays import StreamRelay, TapRelay
 from gateway.protocols.completions import (
     from_completions_request,
     to_text_completion,
     to_text_completion_chunk,
 )
-from gateway.protocols.sse import event_data
 from gateway.providers.base import UpstreamReply
 
 __all__ = ["COMPLETIONS", "LegacyCompletions", "completions"]
@@ -33,35 +31,11 @@ __all__ = ["COMPLETIONS", "LegacyCompletions", "completions"]
 _JSON = {"Content-Type": "application/json"}
 
 
-class _CompletionsRelay(StreamRelay):
+class _CompletionsRelay(TapRelay):
     """Chat chunks re-framed as text completion chunks; unasked-for usage hidden."""
 
-    unfinished = "upstream closed the stream before [DONE]"
-
-    def __init__(self, tap: StreamTap) -> None:
-        self.tap = tap
-
-    def feed(self, event: bytes) -> bytes | None:
-        data = event_data(event)
-        if data is None:
-            return None
-        if not self.tap.inspect(data):
-            if self.tap.malformed:
-                raise StreamCut("upstream sent an event that is not JSON")
-            return None
-        if data == b"[DONE]":
-            return event
+    def chunk(self, event: bytes, data: bytes) -> bytes | None:
         return to_text_completion_chunk(data)
-
-    @property
-    def done(self) -> bool:
-        return self.tap.done
-
-    def error_event(self, error: GatewayError) -> bytes:
-        return error_event(error)
-
-    def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
-        settle_from_tap(self.tap, record, started, prompt_estimate)
 
 
 class LegacyCompletions(Inbound):

@@ -281,7 +281,7 @@ class _Call:
         """Attempts on one target; the reply to return, or None to move on."""
         state, breaker, record, group = self.state, self.breaker, self.record, route.group
         deployment = target.deployment.id
-        provider = _providers_of(state, route)[target.provider]
+        provider = _providers_of(state, route)[target.provider].for_deployment(target.deployment)
         timeouts = timeouts_for(group, provider)
         max_retries = state.retry_policy.retries_for(provider.config)
         body = self.body

@@ -19,7 +19,8 @@ and failover before the first byte, cancellation, the ledger (``protocol`` =
 * errors in Anthropic's shape (rendered by :mod:`gateway.http.errors`), mid-stream as
   one ``event: error``.
 
-The response cache does not serve this route yet (its entries are chat answers).
+The response cache serves this route under chat's rules: its entries are chat answers,
+rendered as a ``message`` (or its events) on a hit (docs/cache.md).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from gateway.core.errors import GatewayError, InvalidRequest, UpstreamUnavailabl
 from gateway.core.tokens import PER_MESSAGE_TOKENS, estimate_text_tokens
 from gateway.core.usage import CallRecord, StreamTap, Usage
 from gateway.edge import telemetry
-from gateway.edge.chat import settle_from_tap
 from gateway.edge.dispatch import NativeCall, timeouts_for
-from gateway.edge.pipeline import Inbound, Parsed, StreamCut, StreamRelay, serve
+from gateway.edge.pipeline import Inbound, Parsed, serve
 from gateway.edge.ratelimit import admit
+from gateway.edge.relays import StreamRelay, TapRelay, settle_native
 from gateway.http.bodies import bearer_token, read_json_body
 from gateway.http.errors import anthropic_error_event, anthropic_status
 from gateway.http.state import STATE
@@ -50,7 +51,6 @@ from gateway.protocols.anthropic import (
     to_anthropic_error,
 )
 from gateway.protocols.anthropic_stream import EventsFromChunks, NativeStreamTap
-from gateway.protocols.sse import event_data
 from gateway.providers.base import ProviderError, UpstreamReply
 
 __all__ = ["MESSAGES", "AnthropicMessages", "count_tokens", "messages", "parse_messages_body"]
@@ -119,25 +119,21 @@ def _json(status: int, body: bytes, reply: UpstreamReply | None = None) -> web.R
     return web.Response(status=status, body=body, headers=headers)
 
 
-class _TranslatedRelay(StreamRelay):
+class _TranslatedRelay(TapRelay):
     """A chat deployment's chunks, re-framed as Anthropic's named events."""
 
+    unfinished = StreamRelay.unfinished
+
     def __init__(self, tap: StreamTap, framer: EventsFromChunks, prompt_estimate: int) -> None:
-        self.tap = tap
+        super().__init__(tap)
         self.framer = framer
         self.prompt_estimate = prompt_estimate
 
-    def feed(self, event: bytes) -> bytes | None:
-        data = event_data(event)
-        if data is None:
-            return None
-        if not self.tap.inspect(data):  # the usage-only chunk: the tap keeps its counts
-            if self.tap.malformed:
-                raise StreamCut("upstream sent an event that is not JSON")
-            return None
-        if data == b"[DONE]":
-            return self.framer.finish(self.tap.final_usage(self.prompt_estimate))
+    def chunk(self, event: bytes, data: bytes) -> bytes | None:
         return self.framer.feed(data) or None
+
+    def end(self, event: bytes) -> bytes | None:
+        return self.framer.finish(self.tap.final_usage(self.prompt_estimate))
 
     @property
     def done(self) -> bool:
@@ -145,9 +141,6 @@ class _TranslatedRelay(StreamRelay):
 
     def error_event(self, error: GatewayError) -> bytes:
         return anthropic_error_event(error)
-
-    def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
-        settle_from_tap(self.tap, record, started, prompt_estimate)
 
 
 class _NativeRelay(StreamRelay):
@@ -173,16 +166,11 @@ class _NativeRelay(StreamRelay):
 
     def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
         tap = self.tap
-        if tap.first_event_at is not None:
-            record.ttft = tap.first_event_at - started
+        settle_native(record, started, prompt_estimate, first_event_at=tap.first_event_at, events=tap.chunks,
+                      usage=tap.usage(), error=None if tap.error is None else tap.error.split(":", 1)[0])
         record.response_id = tap.response_id
         record.served_model = tap.model or record.served_model
         record.finish_reasons = (tap.finish_reason,) if tap.finish_reason else ()
-        record.chunks = tap.chunks
-        usage = tap.usage()
-        record.usage = usage if usage is not None else Usage(prompt_tokens=prompt_estimate, estimated=True)
-        if tap.error is not None:
-            record.error_type = tap.error.split(":", 1)[0][:64]
 
 
 class AnthropicMessages(Inbound):

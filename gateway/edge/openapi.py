@@ -24,6 +24,7 @@ from aiohttp import web
 from gateway import __version__
 from gateway.admin.cache import KEY_PATTERN, MAX_GROUP_LEN
 from gateway.admin.input import BODIES, QUERIES
+from gateway.admin.request_logs import RequestLogDetail, RequestLogSummary
 from gateway.edge.openapi_shapes import (
     ACTIVE_CONFIG,
     ANTHROPIC_ERROR,
@@ -101,6 +102,8 @@ _CONSOLE_PAGES = (
     ("/ui/providers", "consoleProviders", "Deployments with circuit state, latency and error rate"),
     ("/ui/cache", "consoleCache", "Response cache sizes, hit rate, purge"),
     ("/ui/audit", "consoleAudit", "The audit trail, filterable"),
+    ("/ui/requests", "consoleRequests", "Stored calls (request logs), filterable"),
+    ("/ui/requests/{request_id}", "consoleRequest", "One stored call; its bodies for an admin session"),
     ("/ui/static/{name}", "consoleAsset", "The console's CSS and script (cached for a year: the URL has a hash)"),
     ("/ui/login", "consoleSignInForm", "The sign-in form"),
     ("/ui/oidc/start", "consoleSignOnStart", "Single sign-on: off to the identity provider (admin.oidc)"),
@@ -183,7 +186,7 @@ def management_document() -> dict[str, Any]:
         "info": {
             "title": "llm-gateway management plane", "version": API_VERSION,
             "description": (
-                "Keys, subject budgets, audit, usage, providers and the response cache. "
+                "Keys, subject budgets, audit, usage, providers, request logs and the response cache. "
                 "/admin/* needs Authorization: Bearer $ADMIN_TOKEN, or a console session "
                 "(cookie, plus X-CSRF-Token on a change; a viewer may only read). "
                 "/ui/ is the admin console (HTML)."
@@ -275,6 +278,27 @@ def management_document() -> dict[str, Any]:
                 {"200": json_body(ref("UsageReport"), "the report"), **_BAD_REQUEST},
                 parameters=query_parameters(QUERIES["usage"]),
             )},
+            "/admin/requests": {"get": _admin_op(
+                "listRequestLogs", "Stored calls (request_logs:), newest first, without their bodies",
+                {"200": json_body(ref("RequestLogList"), "a page of stored calls"), **_BAD_REQUEST},
+                parameters=query_parameters(QUERIES["requests"]),
+            )},
+            "/admin/requests/{request_id}": {
+                "parameters": [{
+                    "name": "request_id", "in": "path", "required": True, "schema": {"type": "string"},
+                    "description": "the call's x-request-id (its newest call) or its call_id",
+                }],
+                "get": _admin_op(
+                    "getRequestLog", "One stored call with its request and response bodies (admin role only)",
+                    {
+                        "200": json_body(ref("RequestLogDetail"), "the call and its bodies"),
+                        "403": error("a viewer session may not read bodies (admin_role_required), "
+                                     "or the admin API is disabled (admin_disabled)"),
+                        "404": error("no stored call with that id, or past its retention (request_log_not_found)"),
+                        **_BAD_REQUEST,
+                    },
+                ),
+            },
             "/admin/providers": {"get": _admin_op(
                 "listProviders", "Providers and deployments with circuit state, latency and error rate",
                 {"200": json_body(ref("Providers"), "providers and deployments")},
@@ -325,6 +349,8 @@ def management_document() -> dict[str, Any]:
                 **{name: model_schema(model) for name, model in BODIES.items()},
                 "AuditEntry": AUDIT_ENTRY, "AuditList": list_of(ref("AuditEntry"), {"type": "integer"}),
                 "UsageReport": USAGE_REPORT, "Providers": PROVIDERS,
+                "RequestLog": model_schema(RequestLogSummary), "RequestLogDetail": model_schema(RequestLogDetail),
+                "RequestLogList": list_of(ref("RequestLog"), UUID),
                 "CacheStats": CACHE_STATS, "CachePurged": CACHE_PURGED,
                 "ConfigSource": CONFIG_SOURCE, "ReloadOutcome": RELOAD_OUTCOME, "ActiveConfig": ACTIVE_CONFIG,
             },

@@ -12,6 +12,12 @@ Access: a key with a model allowlist may use a provider here only when the allow
 holds ``passthrough/{provider}`` (or a pattern matching it, e.g. ``passthrough/*``); a
 key without an allowlist may use every provider.
 
+A provider whose signature covers the request itself (Bedrock's SigV4: method, path,
+query and body) signs the forwarded request with the gateway's credentials
+(:meth:`Provider.passthrough_request`); its binary event streams are relayed as they come
+and read on the side for usage through the provider's frame reader
+(:meth:`Provider.passthrough_payloads`).
+
 Billing: the answer is read on the side (gateway/protocols/usage_shapes.py). When it
 carries a usage object of a known wire, the call is recorded with those tokens (priced
 from a configured deployment of that provider and the body's ``model`` when there is
@@ -81,7 +87,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     if provider is None or not provider.passthrough_base:
         raise ModelNotFound(f"no provider {name!r} to pass through to", code="provider_not_found")
     raw = await read_body(request, state.settings.body_limit)
-    model = _model_of(raw)
+    model = _model_of(raw) or provider.passthrough_model(request.match_info["path"])
     record = CallRecord(
         request_id=request_id_of(request), api_key_id=key.api_key_id, subject_id=key.subject_id,
         requested_model=model or f"passthrough/{name}", served_model=model, provider=name,
@@ -107,12 +113,12 @@ async def _relay(
     request: web.Request, state: GatewayState, provider: Provider, raw: bytes, record: CallRecord, started: float,
 ) -> web.StreamResponse:
     headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _REQUEST_DROP)
-    headers.update(await provider.credential_headers())
-    headers["Accept-Encoding"] = "identity"  # so the answer can be read for usage as it passes
-    url = f"{provider.passthrough_base}/{request.match_info['path']}"
-    if request.query_string:
-        url = f"{url}?{request.query_string}"
     try:
+        # The credential goes in last: a provider signing the request (Bedrock) signs what is sent.
+        url, credential = await provider.passthrough_request(
+            request.method, request.match_info["path"], request.query_string, headers, raw)
+        headers.update(credential)
+        headers["Accept-Encoding"] = "identity"  # so the answer can be read for usage as it passes
         with map_transport_errors():
             upstream = await state.session.request(
                 request.method, url, data=raw or None, headers=headers,
@@ -125,10 +131,16 @@ async def _relay(
     response = web.StreamResponse(status=upstream.status, headers={
         k: v for k, v in upstream.headers.items() if k.lower() not in _RESPONSE_DROP})
     record.status = upstream.status
-    record.stream = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+    content_type = upstream.headers.get("Content-Type", "")
+    framed = provider.passthrough_payloads(content_type)  # a vendor's binary stream (Bedrock's)
+    record.stream = content_type.startswith("text/event-stream") or framed is not None
     try:
         await response.prepare(request)
-        if record.stream:
+        if framed is not None:
+            async for chunk in _chunks(upstream, response, record, started):
+                for payload in framed(chunk):
+                    sniffer.feed_json(payload)
+        elif record.stream:
             async for event in iter_events(_chunks(upstream, response, record, started)):
                 if (data := event_data(event)) is not None:
                     sniffer.feed_json(data)
@@ -149,6 +161,7 @@ async def _relay(
         upstream.release()
         if upstream.status >= 400 and record.outcome == "ok":
             record.outcome = "provider_error"
+        sniffer.feed_headers(upstream.headers)
         if sniffer.recognised:
             record.usage = Usage(prompt_tokens=sniffer.prompt_tokens, completion_tokens=sniffer.completion_tokens)
     return response

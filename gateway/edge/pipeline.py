@@ -40,9 +40,12 @@ from gateway.core.usage import CallRecord, Usage, usage_from_answer
 from gateway.edge import telemetry
 from gateway.edge.dispatch import NativeCall, dispatch
 from gateway.edge.ratelimit import admit
+from gateway.edge.relays import StreamCut, StreamRelay
+from gateway.edge.request_capture import BodyCapture, capture_for
 from gateway.guardrails.engine import GuardrailEngine
 from gateway.guardrails.policies import Decision
 from gateway.guardrails.relays import stream_guard
+from gateway.guardrails.stream_checks import stream_checks
 from gateway.http.admission import ShuttingDown, is_shutdown
 from gateway.http.bodies import bearer_token, read_json_body
 from gateway.http.middleware import request_id_of
@@ -54,7 +57,7 @@ from gateway.relay.routing import Route, Target
 if TYPE_CHECKING:
     from actors.auth import VerifiedKey
 
-__all__ = ["SSE_HEADERS", "Inbound", "Parsed", "StreamCut", "StreamRelay", "serve"]
+__all__ = ["SSE_HEADERS", "Inbound", "Parsed", "serve"]
 
 log = logging.getLogger("gateway.chat")
 
@@ -80,36 +83,6 @@ class Parsed:
     native: NativeCall | None = None
     #: The client asked for a stream's usage (chat's ``stream_options.include_usage``).
     wants_usage: bool = False
-
-
-class StreamCut(Exception):
-    """The stream ended before its end marker, or sent something it must not."""
-
-
-class StreamRelay:
-    """One stream's relay in one protocol: what each upstream event becomes for the
-    client, whether the stream completed, and what the record learns from it."""
-
-    #: The client has been told of the failure already (an upstream error event relayed).
-    told: bool = False
-    #: Why a stream that ended without its end marker failed.
-    unfinished: ClassVar[str] = "upstream closed the stream before its end"
-
-    def feed(self, event: bytes) -> bytes | None:
-        """What to write for one upstream event (None: nothing); raises StreamCut/StreamBroken."""
-        raise NotImplementedError
-
-    @property
-    def done(self) -> bool:
-        raise NotImplementedError
-
-    def error_event(self, error: GatewayError) -> bytes:
-        """The one event telling the client why its stream ends."""
-        raise NotImplementedError
-
-    def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
-        """Fill the record from what was relayed (ids, finish reasons, usage, ttft)."""
-        raise NotImplementedError
 
 
 class Inbound:
@@ -172,7 +145,11 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
             _record_refusal(state, request, protocol, key.api_key_id, key.subject_id, parsed, exc)
             raise
         body = parsed.body
-    cache = None if state.cache is None or not protocol.cacheable else state.cache.ticket(
+    # Request logs: only what passed the input policies is ever kept (a refused prompt is not).
+    capture = capture_for(state, route.group.name, key.key_prefix)
+    if capture is not None:
+        capture.request = parsed.native.body if parsed.native is not None else body
+    cache = None if state.cache is None or not _cacheable(protocol, parsed) else state.cache.ticket(
         route.group.name, model, body, key.api_key_id, key.subject_id, request.headers
     )
     record = CallRecord(
@@ -191,13 +168,19 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
     started = time.monotonic()
     observed = telemetry.begin_call(request, record, body)
     try:
+        response: web.StreamResponse
         if cache is not None and (hit := await cache.lookup()) is not None:
             if protocol.name == "chat":
-                return await replay(request, hit, cache, body, record, SSE_HEADERS)
-            return await _replay_in(request, protocol, hit, cache, parsed, record, started)
-        if stream:
-            return await _stream(request, state, protocol, route, parsed, record, started, cache, guard)
-        return await _whole(state, protocol, route, parsed, record, cache, guard)
+                response = await replay(request, hit, cache, body, record, SSE_HEADERS)
+            else:
+                response = await _replay_in(request, protocol, hit, cache, parsed, record, started)
+        elif stream:
+            response = await _stream(request, state, protocol, route, parsed, record, started, cache, guard, capture)
+        else:
+            response = await _whole(state, protocol, route, parsed, record, cache, guard, capture)
+        if capture is not None:
+            capture.answered(response)  # a whole answer's body as the client gets it
+        return response
     except asyncio.CancelledError as exc:
         record.outcome = "cancelled"
         # 499: the client went away; 503: the shutdown ended it (the admission gate answers so).
@@ -209,10 +192,13 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
         record.error_type = exc.error_code
         raise
     finally:
-        record.latency = time.monotonic() - started
-        record.cache = None if cache is None else cache.status
-        _finish(state, record)
+        if not record.finished:  # a complete stream has finished its record already
+            record.latency = time.monotonic() - started
+            record.cache = None if cache is None else cache.status
+            _finish(state, record)
         state.billing.settle(reservation, record)  # budget hook: release at the real cost
+        if capture is not None:
+            capture.finish(state, record)  # to the request-log actor: no encoding here
         telemetry.end_call(request, observed, record)
 
 
@@ -245,9 +231,18 @@ async def _replay_in(
     except ConnectionError:
         record.outcome = "cancelled"
     relay.settle(record, started, prompt_estimate)
-    # Tokens say what was served; the provider was not called, so nothing was spent.
+    # As on chat's hits: no provider was called, so there is no time to first token, and
+    # the tokens say what was served (nothing was spent).
+    record.ttft = None
     record.usage = Usage(entry.prompt_tokens, entry.completion_tokens, cost_usd=0.0)
     return response
+
+
+def _cacheable(protocol: Inbound, parsed: Parsed) -> bool:
+    """Whether the response cache may serve this call. A request the chat shape cannot carry
+    (``native.chat_error``: only a deployment speaking the client's protocol can take it)
+    is not: its chat body is a placeholder, not the request, and a native answer is not kept."""
+    return protocol.cacheable and (parsed.native is None or parsed.native.chat_error is None)
 
 
 def _record_refusal(
@@ -265,6 +260,9 @@ def _record_refusal(
 
 
 def _finish(state: GatewayState, record: CallRecord) -> None:
+    """The record is final: its cost settled, the call listeners told (billing journals
+    it before this returns)."""
+    record.finished = True
     settle_cost(record)  # once, so billing, metrics and logs see the same cost
     for listener in state.call_listeners:
         try:
@@ -277,8 +275,11 @@ async def _whole(
     state: GatewayState, protocol: Inbound, route: Route, parsed: Parsed, record: CallRecord,
     cache: CacheTicket | None,
     guard: GuardrailEngine | None = None,
+    capture: BodyCapture | None = None,
 ) -> web.Response:
     target, reply = await dispatch(state, route, parsed.body, record, stream=False, native=parsed.native)
+    if capture is not None:
+        capture.request = _sent_body(parsed, reply)
     record.status = reply.status
     record.served_model = target.upstream_model
     if not reply.ok:
@@ -323,6 +324,7 @@ async def _stream(
     started: float,
     cache: CacheTicket | None,
     guard: GuardrailEngine | None = None,
+    capture: BodyCapture | None = None,
 ) -> web.StreamResponse:
     body = parsed.body
     if not parsed.wants_usage:
@@ -330,6 +332,8 @@ async def _stream(
         options = body.get("stream_options")
         body = {**body, "stream_options": {**(options if isinstance(options, dict) else {}), "include_usage": True}}
     target, reply = await dispatch(state, route, body, record, stream=True, native=parsed.native)
+    if capture is not None:
+        capture.request = _sent_body(parsed, reply)
     record.status = reply.status
     record.served_model = target.upstream_model
     if reply.events is None:
@@ -340,11 +344,32 @@ async def _stream(
     prompt_estimate = prompt_tokens(body.get("messages") or [])
     relay = protocol.relay(reply, parsed, state.settings.capture_genai_content, prompt_estimate)
     screen = stream_guard(guard, reply.wire)
+    checks = stream_checks(guard, reply.wire)  # webhook, moderation, hook: at intervals, beside the stream
     # Entries are kept in the internal (chat) shape and rendered per protocol on a hit; a
     # stream in a provider's own wire (passed through as sent) is not kept.
     storable = cache is not None and reply.wire == "chat"
     response = web.StreamResponse(status=200, headers=SSE_HEADERS if cache is None else {
         **SSE_HEADERS, **cache.headers()})
+    concluded = False
+
+    def conclude() -> None:
+        """Fill the record from the relay (once), and store a complete stream in the cache."""
+        nonlocal concluded
+        if concluded:
+            return
+        concluded = True
+        relay.settle(record, started, prompt_estimate)
+        if screen is not None:
+            record.guardrails += tuple((d.policy, d.action, d.direction) for d in screen.decisions())
+        if checks is not None:
+            checks.close()
+            record.guardrails += tuple((d.policy, d.action, d.direction) for d in checks.decisions())
+        if storable and cache is not None and relay.done and record.outcome != "blocked":
+            cache.store_stream(record)
+
+    #: What the upstream's last event(s) became: the stream's end marker, held back until
+    #: the call's record is in the journal.
+    ending: list[bytes] = []
     try:
         await response.prepare(request)
         async for event in reply.events:
@@ -352,11 +377,32 @@ async def _stream(
                 event = screen.feed(event)  # before the cache too: it must never keep what was redacted
             if storable and cache is not None:
                 cache.collect(event)  # as the provider sent it (bar redactions): stored once complete
+            if checks is not None:
+                checks.observe(event)  # raises if a check that has answered refused the text
+            if capture is not None:
+                capture.streamed(event, reply.wire)  # after the window: never a redacted text
             out = relay.feed(event)
             if out:
-                await response.write(out)
+                if relay.done:
+                    ending.append(out)
+                else:
+                    await response.write(out)
         if not relay.done:
             raise StreamCut(relay.unfinished)
+        if checks is not None:
+            await checks.finish()  # the end waits for the last check: a refused stream never ends as a success
+        # Complete: journal the call, then send its end, so a crash between the two loses
+        # an answer's end (the client retries) rather than a record of what it was served.
+        await reply.release()
+        conclude()
+        record.latency = time.monotonic() - started
+        record.cache = None if cache is None else cache.status
+        _finish(state, record)
+        if ending:
+            try:
+                await response.write(b"".join(ending))
+            except ConnectionError:
+                pass  # gone before the last bytes: the call was served and is recorded as such
     except GuardrailBlocked as exc:
         # An output policy matched mid-stream: the client gets one error event, never the text.
         record.outcome, record.error_type = "blocked", exc.error_code
@@ -392,12 +438,16 @@ async def _stream(
             pass
     finally:
         await reply.release()
-        relay.settle(record, started, prompt_estimate)
-        if screen is not None:
-            record.guardrails += tuple((d.policy, d.action, d.direction) for d in screen.decisions())
-        if storable and cache is not None and relay.done:
-            cache.store_stream(record)
+        conclude()
     return response
+
+
+def _sent_body(parsed: Parsed, reply: UpstreamReply) -> dict[str, Any]:
+    """The request body the deployment that answered got (for request logs): the native
+    one when it spoke the client's protocol, else the chat shape."""
+    if parsed.native is not None and reply.wire != "chat":
+        return parsed.native.body
+    return parsed.body
 
 
 async def _screen_input(guard: GuardrailEngine, parsed: Parsed) -> tuple[Parsed, list[Decision]]:

@@ -90,6 +90,15 @@ def _key_of(address: _Address) -> str:
     return str(address)
 
 
+@functools.lru_cache(maxsize=4096)
+def _peer_key(remote: str) -> str:
+    """The key of a TCP peer that is no trusted proxy: a pure function of the address,
+    so parsed once per address (``ipaddress`` parsing was most of the guard's own work
+    on a request); bounded, an evicted address is parsed again."""
+    peer = _parse(remote)
+    return (remote or "unknown") if peer is None else _key_of(peer)
+
+
 def client_ip(request: web.Request, trusted_proxies: tuple[str, ...] = ()) -> str:
     """The key the per-IP guard counts this request under (see docs/rate-limits.md).
 
@@ -97,11 +106,14 @@ def client_ip(request: web.Request, trusted_proxies: tuple[str, ...] = ()) -> st
     the right, skipping trusted proxies, and the first other address is the client (a
     client cannot forge its way past the proxy nearest to us). IPv6 is keyed by /64.
     """
-    peer = _parse(request.remote or "")
+    remote = request.remote or ""
+    if not trusted_proxies:
+        return _peer_key(remote)
+    peer = _parse(remote)
     if peer is None:
-        return request.remote or "unknown"
-    networks = _networks(trusted_proxies) if trusted_proxies else ()
-    if networks and any(peer in net for net in networks):
+        return remote or "unknown"
+    networks = _networks(trusted_proxies)
+    if any(peer in net for net in networks):
         for raw in reversed(_forwarded_chain(request)):
             hop = _parse(raw)
             if hop is None:

@@ -14,7 +14,12 @@ with ``previous_response_id`` is sent upstream with the earlier input, the earli
 output and the new input, in order; an id unknown to the caller's subject is 400
 ``previous_response_not_found``. ``GET`` and ``DELETE /v1/responses/{id}`` and
 ``GET /v1/responses/{id}/input_items`` read the store; another subject's id is 404.
-The response cache does not serve this route (its entries are chat answers).
+
+The response cache serves this route under chat's rules (docs/cache.md): its key is the
+chat request sent upstream, so a follow-up is keyed on its whole rebuilt conversation
+(the stored history included), never on the ``previous_response_id`` itself. A hit is
+rendered as a new response (a fresh id and ``created_at``) and, with ``store`` true,
+stored like a live answer, so it can be retrieved and continued from.
 """
 
 from __future__ import annotations
@@ -32,16 +37,15 @@ from aiohttp import web
 from gateway.core.errors import GatewayError, InvalidRequest, NotFound, UpstreamUnavailable
 from gateway.core.usage import CallRecord, StreamTap, Usage
 from gateway.edge import telemetry
-from gateway.edge.chat import settle_from_tap
 from gateway.edge.dispatch import NativeCall
-from gateway.edge.pipeline import Inbound, Parsed, StreamCut, StreamRelay, serve
+from gateway.edge.pipeline import Inbound, Parsed, serve
 from gateway.edge.ratelimit import admit
+from gateway.edge.relays import StreamRelay, TapRelay, settle_native
 from gateway.edge.response_store import ResponseStore, StoredResponse
 from gateway.http.bodies import bearer_token
 from gateway.http.state import STATE, GatewayState
 from gateway.protocols.responses import input_items, new_id, to_chat_request, to_response
 from gateway.protocols.responses_stream import EventsFromChunks, NativeEventsTap, failed_event
-from gateway.protocols.sse import event_data
 from gateway.providers.base import UpstreamReply
 
 if TYPE_CHECKING:
@@ -66,6 +70,8 @@ class _Call:
     #: The whole input the response answers, earlier turns first (as stored and listed).
     conversation: list[dict[str, Any]]
     store: bool
+    #: When the gateway made this response (a cache hit is a new response too).
+    created_at: int = field(default_factory=lambda: int(time.time()))
     subject_id: uuid.UUID | None = None
     api_key_id: uuid.UUID | None = None
     saver: ResponseStore | None = field(default=None, repr=False)
@@ -115,30 +121,21 @@ def _replayed(stored: StoredResponse) -> list[dict[str, Any]]:
         output, list) else []
 
 
-class _ResponsesRelay(StreamRelay):
+class _ResponsesRelay(TapRelay):
     """A chat deployment's chunks, re-framed as the Responses API's typed events."""
 
-    unfinished = "upstream closed the stream before [DONE]"
-
     def __init__(self, tap: StreamTap, framer: EventsFromChunks, call: _Call, prompt_estimate: int) -> None:
-        self.tap = tap
+        super().__init__(tap)
         self.framer = framer
         self.call = call
         self.prompt_estimate = prompt_estimate
 
-    def feed(self, event: bytes) -> bytes | None:
-        data = event_data(event)
-        if data is None:
-            return None
-        if not self.tap.inspect(data):
-            if self.tap.malformed:
-                raise StreamCut("upstream sent an event that is not JSON")
-            return None
-        if data == b"[DONE]":
-            usage = self.tap.final_usage(self.prompt_estimate)
-            return self.framer.finish({"prompt_tokens": usage.prompt_tokens,
-                                       "completion_tokens": usage.completion_tokens})
+    def chunk(self, event: bytes, data: bytes) -> bytes | None:
         return self.framer.feed(data) or None
+
+    def end(self, event: bytes) -> bytes | None:
+        usage = self.tap.final_usage(self.prompt_estimate)
+        return self.framer.finish({"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens})
 
     @property
     def done(self) -> bool:
@@ -148,7 +145,7 @@ class _ResponsesRelay(StreamRelay):
         return self.framer.failed(error.error_code or error.type, error.message)
 
     def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
-        settle_from_tap(self.tap, record, started, prompt_estimate)
+        super().settle(record, started, prompt_estimate)
         if self.framer.finished and self.framer.response is not None:
             self.call.keep(self.framer.response)
 
@@ -177,19 +174,13 @@ class _NativeRelay(StreamRelay):
                             error.error_code or error.type, error.message)
 
     def settle(self, record: CallRecord, started: float, prompt_estimate: int) -> None:
-        tap = self.tap
-        if tap.first_event_at is not None:
-            record.ttft = tap.first_event_at - started
-        record.chunks = tap.events
-        response = tap.response
-        usage = _usage_of(response)
-        record.usage = usage if usage is not None else Usage(prompt_tokens=prompt_estimate, estimated=True)
+        tap, response = self.tap, self.tap.response
+        settle_native(record, started, prompt_estimate, first_event_at=tap.first_event_at, events=tap.events,
+                      usage=_usage_of(response), error=tap.error)
         record.response_id = tap.upstream_id
         if response is not None:
             record.served_model = response.get("model") or record.served_model
             self.call.keep(response)
-        if tap.error is not None:
-            record.error_type = tap.error[:64]
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -205,7 +196,7 @@ class OpenAIResponses(Inbound):
     """OpenAI's Responses API over chat deployments, with stored conversations."""
 
     name: ClassVar[str] = "responses"
-    cacheable: ClassVar[bool] = False
+    cacheable: ClassVar[bool] = True
     prepares: ClassVar[bool] = True
 
     def parse(self, body: dict[str, Any], request: web.Request) -> Parsed:
@@ -251,7 +242,7 @@ class OpenAIResponses(Inbound):
         if answer is None or not isinstance(answer.get("choices"), list):
             raise UpstreamUnavailable("upstream answered something other than a chat completion")
         call = _call_of(parsed)
-        response = to_response(answer, call.body, call.response_id, model=parsed.model)
+        response = to_response(answer, call.body, call.response_id, model=parsed.model, created_at=call.created_at)
         call.keep(response)
         return web.Response(status=200, body=orjson.dumps(response), headers=_JSON)
 
@@ -284,7 +275,7 @@ class OpenAIResponses(Inbound):
         call = _call_of(parsed)
         if reply.wire != "chat":
             return _NativeRelay(call)
-        framer = EventsFromChunks(call.response_id, call.body, model=parsed.model)
+        framer = EventsFromChunks(call.response_id, call.body, model=parsed.model, created_at=call.created_at)
         return _ResponsesRelay(StreamTap(client_wants_usage=True, keep_text=keep_text), framer, call,
                                prompt_estimate)
 

@@ -140,6 +140,11 @@ class GuardrailEngine:
         self.stream_rules: tuple[TextRule, ...] = tuple(
             self._rules[p.name] for p in self.output_policies if p.name in self._rules
         )
+        #: Output policies that wait for I/O (webhook, moderation, hook): on a stream they
+        #: check the text so far at intervals (:mod:`gateway.guardrails.stream_checks`).
+        self.stream_checks: tuple[Policy, ...] = tuple(
+            p for p in self.output_policies if p.type not in LOCAL_TYPES and p.type != "max_input"
+        )
 
     async def screen_input(self, body: dict[str, Any]) -> tuple[dict[str, Any], list[Decision]]:
         """The body to send upstream (a redacted copy if any policy redacted) and the
@@ -170,19 +175,17 @@ class GuardrailEngine:
             changed |= await self._apply(policy, "output", list(_answer_slots(work)), decisions)
         return (work if changed else answer), decisions
 
-    async def screen_finished_stream(self, text: str) -> list[Decision]:
-        """The external output policies on a stream's whole text, once it has ended:
-        the text is already with the client, so whatever they answer is recorded only."""
+    async def check_stream_texts(self, texts: Sequence[str]) -> list[Decision]:
+        """The stream checks (:attr:`stream_checks`) on a stream's text so far, one text
+        per choice; raises :class:`GuardrailBlocked` naming the first that blocks.
+
+        What was checked has been sent already, so a rewrite cannot apply: it is recorded
+        as ``logged``.
+        """
         decisions: list[Decision] = []
-        slot = {"text": text}
-        for policy in self.output_policies:
-            if policy.type in LOCAL_TYPES or policy.type == "max_input":
-                continue
-            try:
-                await self._apply(policy, "output", [(slot, "text")], decisions)
-            except GuardrailBlocked:
-                decisions[-1] = Decision(policy.name, "logged", "output", decisions[-1].kinds)
-        return decisions
+        for policy in self.stream_checks:
+            await self._apply(policy, "output", [({"text": t}, "text") for t in texts], decisions)
+        return [Decision(d.policy, "logged", d.direction, d.kinds) if d.action == "redacted" else d for d in decisions]
 
     def _size(self, policy: Policy, body: dict[str, Any], slots: list[tuple[dict[str, Any], str]]) -> list[Decision]:
         chars = sum(len(c[k]) for c, k in slots)

@@ -19,17 +19,21 @@ Types:
 * ``moderation`` — a configured model group's ``/moderations`` endpoint; a flagged text
   is blocked (or logged);
 * ``hook`` — a Python function named ``module:function`` (sync or async) for what none
-  of the above covers.
+  of the above covers;
+* ``presidio`` — Microsoft Presidio's analyzer (the ``presidio`` extra,
+  :mod:`gateway.guardrails.presidio`), a local policy like ``pii``.
 
-The first three run in the caller's task in microseconds and can follow a stream chunk
-by chunk (:mod:`gateway.guardrails.streams`); the last three wait for I/O and run on the
-whole prompt (and on whole answers; on a stream, once it has ended, where they can only
-log: the text has already been sent).
+``pii``, ``terms`` and ``presidio`` run in the caller's task (microseconds; about a
+millisecond for Presidio) and follow a stream chunk by chunk
+(:mod:`gateway.guardrails.streams`); ``max_input`` reads the prompt only; the other three
+wait for I/O and run on the whole prompt and whole answers, and on a stream's text so
+far at intervals, beside the stream (:mod:`gateway.guardrails.stream_checks`).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -46,7 +50,7 @@ __all__ = [
 ]
 
 #: Policies decided on the text alone, without I/O (and so incrementally on streams).
-LOCAL_TYPES = frozenset({"pii", "terms"})
+LOCAL_TYPES = frozenset({"pii", "terms", "presidio"})
 
 #: The detectors a ``pii`` policy uses when it names none: all but the national ids,
 #: which only make sense for the countries a deployment serves.
@@ -77,8 +81,12 @@ class TextRule:
 
     policy: Policy
     detectors: tuple[Detector, ...] = field(default_factory=tuple)
+    #: A backend that is not a regular expression (Presidio): text in, matches out.
+    analyzer: Callable[[str], list[Match]] | None = None
 
     def matches(self, text: str) -> list[Match]:
+        if self.analyzer is not None:
+            return self.analyzer(text)
         return find_matches(text, self.detectors)
 
 
@@ -108,4 +116,12 @@ def compile_rule(policy: Policy) -> TextRule:
         if detector is None:
             raise ValueError("a terms policy needs terms or patterns")
         return TextRule(policy, (detector,))
+    if policy.type == "presidio":
+        from gateway.guardrails.presidio import PresidioAnalyzer  # the extra: imported only when used
+
+        analyzer = PresidioAnalyzer(
+            policy.entities, language=policy.language, score_threshold=policy.score_threshold,
+            spacy_model=policy.spacy_model,
+        )
+        return TextRule(policy, (), analyzer.matches)
     raise ValueError(f"{policy.type} is not a text policy")

@@ -45,13 +45,18 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     """The request's raw body; 413 over ``limit`` bytes, 408 if it arrives too slowly."""
     if request.content_length is not None and request.content_length > limit:
         raise RequestTooLarge(f"request body over {limit} bytes")
-    try:
-        async with asyncio.timeout(request.app[STATE].settings.client_idle_timeout):
-            # Whole body: content.read(n) returns what has arrived so far, not n bytes. aiohttp's
-            # own cap (client_max_size, just above the limit) answers 413 for a chunked giant.
-            raw = await request.read()
-    except TimeoutError:
-        raise RequestTimeout() from None
+    # Whole body: content.read(n) returns what has arrived so far, not n bytes. aiohttp's
+    # own cap (client_max_size, just above the limit) answers 413 for a chunked giant.
+    if request.content.is_eof():
+        # Already all here (the usual small body, in the packet of its headers): reading it
+        # cannot wait, so it needs no timer (arming and cancelling one per request).
+        raw = await request.read()
+    else:
+        try:
+            async with asyncio.timeout(request.app[STATE].settings.client_idle_timeout):
+                raw = await request.read()
+        except TimeoutError:
+            raise RequestTimeout() from None
     if len(raw) > limit:
         raise RequestTooLarge(f"request body over {limit} bytes")
     return raw

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from actors.cache import CacheHandle
     from actors.limiter import LimiterHandle
     from actors.prober import ProberHandle
+    from actors.request_logs import RequestLogHandle
     from gateway.edge.reload import ProviderPools
 
 __all__ = ["STATE", "GatewayState"]
@@ -64,6 +65,8 @@ class GatewayState:
     cache: CacheHandle | None = None
     #: Guardrail policies per model group and key (gateway/guardrails); None: none configured.
     guardrails: Guardrails | None = None
+    #: Stores the bodies of the calls ``request_logs:`` opts in (actors/request_logs.py).
+    request_logs: RequestLogHandle | None = None
     #: The active config's source, hash and load time (``GET /admin/config``).
     config_source: ConfigSource | None = None
     #: How the last reload went (None: none since start-up).

@@ -139,11 +139,59 @@ class LocalStorage(MemoryStorage):
 
     # The library calls its private ``__schedule_expiry`` (name-mangled to this) on hits.
     async def _MemoryStorage__schedule_expiry(self) -> None:
+        self._sweep_soon()
+
+    def _sweep_soon(self) -> None:
+        """Start a sweep task unless one ran within ``SWEEP_SECONDS`` (or still runs)."""
         now = time.monotonic()
         if now < self._next_sweep:
             return
         self._next_sweep = now + self.SWEEP_SECONDS
-        await super()._MemoryStorage__schedule_expiry()  # type: ignore[misc]
+        if not self.timer or self.timer.done():
+            self.timer = asyncio.create_task(self._MemoryStorage__expire_events())
+
+    # -- the same operations without a coroutine or a lock, for :class:`Windows` ----------
+    # The library's versions await four to six coroutines per hit (the strategy, the
+    # storage's acquire, its window read, two gets, incr, the sweep scheduling, the key's
+    # lock) to do a few dict operations: most of a memory decision's cost. These do the
+    # same arithmetic on the same dicts and keys, so the library's own methods (tests,
+    # ``clear``, ``reset``) still see every count; they never suspend, so no lock is needed
+    # (asyncio runs one callback at a time).
+    def get_now(self, key: str, now: float) -> int:
+        """``MemoryStorage.get``: the counter, dropped once expired."""
+        if self.expirations.get(key, 0) <= now:
+            self.storage.pop(key, None)
+            self.expirations.pop(key, None)
+            self.locks.pop(key, None)
+        return self.storage.get(key, 0)
+
+    def incr_now(self, key: str, expiry: float, amount: int, now: float) -> int:
+        """``MemoryStorage.incr``: add ``amount``; a new counter expires ``expiry`` from now."""
+        count = self.get_now(key, now) + amount
+        self._sweep_soon()
+        self.storage[key] = count
+        if count == amount:
+            self.expirations[key] = now + expiry
+        return count
+
+    def sliding_window_now(self, key: str, expiry: int, now: float) -> tuple[int, float, int, float]:
+        """``get_sliding_window``: (previous count, its ttl, current count, its ttl)."""
+        previous_count = self.get_now(f"{key}/{int((now - expiry) / expiry)}", now)
+        current_count = self.get_now(f"{key}/{int(now / expiry)}", now)
+        previous_ttl = 0.0 if previous_count == 0 else (1 - (((now - expiry) / expiry) % 1)) * expiry
+        current_ttl = (1 - ((now / expiry) % 1)) * expiry + expiry
+        return previous_count, previous_ttl, current_count, current_ttl
+
+    def acquire_sliding_now(self, key: str, limit: int, expiry: int, amount: int, now: float) -> bool:
+        """``acquire_sliding_window_entry``: take ``amount`` if the weighted count allows it."""
+        if amount > limit:
+            return False
+        previous_count, previous_ttl, current_count, _ = self.sliding_window_now(key, expiry, now)
+        if math.floor(previous_count * previous_ttl / expiry + current_count) + amount > limit:
+            return False
+        # As the library: a new current counter lives two windows (it is next window's previous).
+        self.incr_now(f"{key}/{int(now / expiry)}", 2 * expiry, amount, now)
+        return True
 
     # Replaces the library's sweep (same effect, no thread hop, no lock held while waiting).
     async def _MemoryStorage__expire_events(self) -> None:
@@ -522,7 +570,7 @@ class Windows:
     operation; PostgreSQL: on separate connections a read could overtake the hit before it).
     """
 
-    __slots__ = ("_batches", "_fixed", "_refund_rejected", "immediate", "name", "storage", "strategy")
+    __slots__ = ("_batches", "_fixed", "_local", "_refund_rejected", "immediate", "name", "storage", "strategy")
 
     def __init__(self, name: str, storage: Storage, strategy: str) -> None:
         if strategy not in ("sliding-window", "fixed-window"):
@@ -536,9 +584,21 @@ class Windows:
         self.immediate = isinstance(storage, MemoryStorage)
         self._batches = isinstance(storage, RedisWindowStorage)
         self._refund_rejected = self._fixed and getattr(storage, "consumes_on_rejection", True)
+        #: This process's memory: decided by :class:`LocalStorage`'s synchronous twins of
+        #: the library's operations (same arithmetic, same keys), not through its coroutines.
+        self._local = storage if isinstance(storage, LocalStorage) else None
 
     async def hit(self, item: RateLimitItem, *ids: str, cost: int = 1) -> bool:
         """Consume ``cost`` if it fits; a rejected hit consumes nothing."""
+        local = self._local
+        if local is not None:
+            key, now = item.key_for(*ids), time.time()
+            if self._fixed:
+                if local.incr_now(key, item.get_expiry(), cost, now) <= item.amount:
+                    return True
+                local.incr_now(key, item.get_expiry(), -cost, now)  # counted on rejection: give it back
+                return False
+            return local.acquire_sliding_now(key, item.amount, item.get_expiry(), cost, now)
         if await self.strategy.hit(item, *ids, cost=cost):
             return True
         if self._refund_rejected:
@@ -548,7 +608,22 @@ class Windows:
 
     async def stats(self, item: RateLimitItem, *ids: str) -> WindowStats:
         """(reset time, remaining) of the window, as ``limits`` computes them."""
-        return await self.strategy.get_window_stats(item, *ids)
+        local = self._local
+        if local is None:
+            return await self.strategy.get_window_stats(item, *ids)
+        key, now = item.key_for(*ids), time.time()
+        if self._fixed:
+            remaining = max(0, item.amount - local.get_now(key, now))
+            return WindowStats(local.expirations.get(key, now), remaining)
+        # SlidingWindowCounterRateLimiter.get_window_stats, on the same counts.
+        expiry = item.get_expiry()
+        previous_count, previous_ttl, current_count, current_ttl = local.sliding_window_now(key, expiry, now)
+        remaining = max(0, item.amount - math.floor(previous_count * previous_ttl / expiry + current_count))
+        if not (previous_count or current_count):
+            return WindowStats(now, remaining)
+        previous_reset_in = previous_ttl % (expiry / previous_count) if previous_count else math.inf
+        current_reset_in = current_ttl % expiry if current_count else math.inf
+        return WindowStats(now + min(previous_reset_in, current_reset_in), remaining)
 
     async def add(self, item: RateLimitItem, *ids: str, amount: int) -> None:
         """Add ``amount`` whatever is left (negative: a refund).
@@ -558,6 +633,13 @@ class Windows:
         the storage under the strategy's own key.
         """
         key = item.key_for(*ids)
+        local = self._local
+        if local is not None:
+            if self._fixed:
+                local.incr_now(key, item.get_expiry(), amount, time.time())
+            else:
+                local.acquire_sliding_now(key, UNBOUNDED, item.get_expiry(), amount, time.time())
+            return
         if self._fixed:
             await self.storage.incr(key, item.get_expiry(), amount)
         else:

@@ -49,7 +49,7 @@ from typing import Any
 import orjson
 
 from gateway.core.errors import InvalidRequest
-from gateway.protocols.chat import data_url, text_of
+from gateway.protocols.chat import append_turn, data_url, function_tools, text_of, tool_calls_of
 
 __all__ = [
     "ANTHROPIC_VERSION",
@@ -178,50 +178,17 @@ def _content_blocks(content: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _tool_use_blocks(tool_calls: Any, where: str) -> list[dict[str, Any]]:
-    if tool_calls is None:
-        return []
-    if not isinstance(tool_calls, list):
-        raise _bad(f"{where}.tool_calls must be a list")
-    blocks = []
-    for i, call in enumerate(tool_calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise _bad(f"{where}.tool_calls[{i}] needs function.name")
-        arguments = function.get("arguments") or "{}"
-        try:
-            parsed = orjson.loads(arguments) if isinstance(arguments, str) else arguments
-        except orjson.JSONDecodeError:
-            raise _bad(f"{where}.tool_calls[{i}].function.arguments is not JSON", "invalid_tool_arguments") from None
-        if not isinstance(parsed, dict):
-            raise _bad(f"{where}.tool_calls[{i}].function.arguments must be a JSON object", "invalid_tool_arguments")
-        blocks.append({"type": "tool_use", "id": str(call.get("id") or f"toolu_{i}"), "name": function["name"],
-                       "input": parsed})
-    return blocks
-
-
-def _append(messages: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]) -> None:
-    if not blocks:
-        return
-    if messages and messages[-1]["role"] == role:
-        messages[-1]["content"].extend(blocks)
-    else:
-        messages.append({"role": role, "content": blocks})
+    return [{"type": "tool_use", "id": call.id or f"toolu_{i}", "name": call.name, "input": call.arguments}
+            for i, call in enumerate(tool_calls_of(tool_calls, _bad, where))]
 
 
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    if not isinstance(tools, list):
-        raise _bad("'tools' must be a list")
     out = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise _bad(f"tools[{i}] must be a function tool with a name")
-        entry: dict[str, Any] = {
-            "name": function["name"],
-            "input_schema": function.get("parameters") or {"type": "object", "properties": {}},
-        }
-        if isinstance(function.get("description"), str):
-            entry["description"] = function["description"]
+    for tool in function_tools(tools, _bad):
+        entry: dict[str, Any] = {"name": tool.name,
+                                 "input_schema": tool.parameters or {"type": "object", "properties": {}}}
+        if tool.description is not None:
+            entry["description"] = tool.description
         out.append(entry)
     return out
 
@@ -259,18 +226,18 @@ def to_messages_request(body: Mapping[str, Any], *, stream: bool) -> dict[str, A
             if text:
                 system.append(text)
         elif role == "user":
-            _append(messages, "user", _content_blocks(message.get("content"), where))
+            append_turn(messages, "user", _content_blocks(message.get("content"), where))
         elif role == "assistant":
             blocks = _content_blocks(message.get("content"), where)
             blocks += _tool_use_blocks(message.get("tool_calls"), where)
-            _append(messages, "assistant", blocks)
+            append_turn(messages, "assistant", blocks)
         elif role == "tool":
             tool_call_id = message.get("tool_call_id")
             if not isinstance(tool_call_id, str):
                 raise _bad(f"{where}: a tool message needs tool_call_id")
             result = {"type": "tool_result", "tool_use_id": tool_call_id,
                       "content": _text_of(message.get("content"), where)}
-            _append(messages, "user", [result])
+            append_turn(messages, "user", [result])
         else:
             raise _bad(f"{where}: role {role!r} is not supported")
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or DEFAULT_MAX_TOKENS

@@ -17,6 +17,11 @@ Answers (Converse → OpenAI): ``output.message.content`` text joined, ``toolUse
 writes) → ``prompt_tokens``, ``outputTokens`` → ``completion_tokens``. ConverseStream's
 events (``messageStart``, ``contentBlockStart`` / ``Delta`` / ``Stop``,
 ``messageStop``, ``metadata``) become chunks, the usage chunk and ``[DONE]``.
+
+Embeddings (InvokeModel, the model's own body): Amazon Titan Text Embeddings takes one
+``inputText`` per call (``dimensions`` kept) and answers ``embedding`` and
+``inputTextTokenCount``; Cohere Embed takes up to 96 ``texts`` (``input_type``
+``search_document``) and answers ``embeddings``.
 """
 
 from __future__ import annotations
@@ -31,14 +36,29 @@ from gateway.core.errors import InvalidRequest
 from gateway.protocols.chat import (
     ChunkWriter,
     UpstreamAnswerError,
+    append_turn,
     completion_object,
     content_parts,
-    parse_tool_arguments,
+    function_tools,
     text_of,
+    tool_calls_of,
     usage_object,
 )
+from gateway.protocols.embeddings import embedding_inputs, embeddings_list
 
-__all__ = ["StreamTranslator", "to_chat_completion", "to_converse", "to_openai_error"]
+__all__ = [
+    "COHERE_MAX_TEXTS",
+    "StreamTranslator",
+    "cohere_embedding_request",
+    "embedding_family",
+    "from_cohere_embeddings",
+    "from_titan_embeddings",
+    "not_an_embedding_model",
+    "titan_embedding_requests",
+    "to_chat_completion",
+    "to_converse",
+    "to_openai_error",
+]
 
 _FINISH_REASONS = {
     "end_turn": "stop",
@@ -84,22 +104,8 @@ def _blocks(content: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _tool_uses(tool_calls: Any, where: str) -> list[dict[str, Any]]:
-    if tool_calls is None:
-        return []
-    if not isinstance(tool_calls, list):
-        raise _bad(f"{where}.tool_calls must be a list")
-    blocks = []
-    for i, call in enumerate(tool_calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise _bad(f"{where}.tool_calls[{i}] needs function.name")
-        try:
-            arguments = parse_tool_arguments(function.get("arguments"))
-        except ValueError as exc:
-            raise _bad(f"{where}.tool_calls[{i}].function.{exc}", "invalid_tool_arguments") from None
-        blocks.append({"toolUse": {"toolUseId": str(call.get("id") or f"tooluse_{i}"), "name": function["name"],
-                                   "input": arguments}})
-    return blocks
+    return [{"toolUse": {"toolUseId": call.id or f"tooluse_{i}", "name": call.name, "input": call.arguments}}
+            for i, call in enumerate(tool_calls_of(tool_calls, _bad, where))]
 
 
 def _tool_result(message: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -115,29 +121,15 @@ def _tool_result(message: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {"toolResult": {"toolUseId": call_id, "content": [block]}}
 
 
-def _append(messages: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]) -> None:
-    if not blocks:
-        return
-    if messages and messages[-1]["role"] == role:
-        messages[-1]["content"].extend(blocks)
-    else:
-        messages.append({"role": role, "content": blocks})
-
-
 def _tool_config(tools: Any, choice: Any) -> dict[str, Any] | None:
-    if not isinstance(tools, list):
-        raise _bad("'tools' must be a list")
+    declared = function_tools(tools, _bad)
     if choice == "none":
         return None  # Converse has no "none": sending no tools is the same
     specs = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise _bad(f"tools[{i}] must be a function tool with a name")
-        spec: dict[str, Any] = {"name": function["name"],
-                                "inputSchema": {"json": function.get("parameters") or {"type": "object"}}}
-        if isinstance(function.get("description"), str):
-            spec["description"] = function["description"]
+    for tool in declared:
+        spec: dict[str, Any] = {"name": tool.name, "inputSchema": {"json": tool.parameters or {"type": "object"}}}
+        if tool.description is not None:
+            spec["description"] = tool.description
         specs.append({"toolSpec": spec})
     config: dict[str, Any] = {"tools": specs}
     if choice == "auto":
@@ -165,12 +157,12 @@ def to_converse(body: Mapping[str, Any]) -> dict[str, Any]:
             if text:
                 system.append({"text": text})
         elif role == "user":
-            _append(messages, "user", _blocks(message.get("content"), where))
+            append_turn(messages, "user", _blocks(message.get("content"), where))
         elif role == "assistant":
-            _append(messages, "assistant",
+            append_turn(messages, "assistant",
                     _blocks(message.get("content"), where) + _tool_uses(message.get("tool_calls"), where))
         elif role == "tool":
-            _append(messages, "user", [_tool_result(message, where)])
+            append_turn(messages, "user", [_tool_result(message, where)])
         else:
             raise _bad(f"{where}: role {role!r} is not supported")
     out: dict[str, Any] = {"messages": messages}
@@ -284,3 +276,58 @@ class StreamTranslator:
             self.finished = True
             return self.writer.end(_usage(self._usage))
         return []  # contentBlockStop, and event types added later
+
+
+# --------------------------------------------------------------------------- embeddings (InvokeModel)
+#: Most texts one Cohere Embed call takes.
+COHERE_MAX_TEXTS = 96
+
+
+def embedding_family(model: str) -> str | None:
+    """``titan`` (Amazon Titan Text Embeddings), ``cohere`` (Cohere Embed) or None (not an
+    embedding model mapped here); an inference-profile prefix (``us.``, ``eu.``) is allowed."""
+    if "amazon.titan-embed-text" in model:
+        return "titan"
+    if "cohere.embed" in model:
+        return "cohere"
+    return None
+
+
+def titan_embedding_requests(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One Titan InvokeModel body per input (``inputText``; ``dimensions`` kept)."""
+    extra = {"dimensions": body["dimensions"]} if isinstance(body.get("dimensions"), int) else {}
+    return [{"inputText": text, **extra} for text in embedding_inputs(body, _bad)]
+
+
+def cohere_embedding_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The Cohere Embed InvokeModel body for every input at once (``search_document``:
+    OpenAI's embeddings API does not say what the texts are for)."""
+    texts = embedding_inputs(body, _bad)
+    if len(texts) > COHERE_MAX_TEXTS:
+        raise _bad(f"Cohere Embed takes at most {COHERE_MAX_TEXTS} inputs per call, got {len(texts)}")
+    return {"texts": texts, "input_type": "search_document"}
+
+
+def from_titan_embeddings(answers: list[Mapping[str, Any]], *, body: Mapping[str, Any], model: str) -> dict[str, Any]:
+    """OpenAI's embeddings list for the Titan answers (``embedding``), in input order, the
+    prompt tokens summed from each ``inputTextTokenCount``."""
+    tokens = sum(int(a.get("inputTextTokenCount") or 0) for a in answers)
+    return embeddings_list([a.get("embedding") for a in answers], model=model, prompt_tokens=tokens, body=body)
+
+
+def from_cohere_embeddings(answer: Mapping[str, Any], *, body: Mapping[str, Any], model: str,
+                           prompt_tokens: int) -> dict[str, Any]:
+    """OpenAI's embeddings list for a Cohere Embed answer (``embeddings``, a list of float
+    vectors, or ``{"float": [...]}`` when embedding types were asked)."""
+    vectors = answer.get("embeddings")
+    if isinstance(vectors, dict):
+        vectors = vectors.get("float")
+    if not isinstance(vectors, list):
+        raise UpstreamAnswerError("bedrock answered Cohere embeddings without an embeddings list")
+    return embeddings_list(vectors, model=model, prompt_tokens=prompt_tokens, body=body)
+
+
+def not_an_embedding_model(model: str) -> InvalidRequest:
+    """The 400 for an embeddings call to a Bedrock model this mapping does not embed with."""
+    return _bad(f"model {model!r} is not an embedding model this gateway maps "
+                "(amazon.titan-embed-text-*, cohere.embed-*)", "model_not_supported")

@@ -1,7 +1,9 @@
 """Pieces of the OpenAI chat shape that every translating provider reads or writes.
 
-Reading a request: text of a content, a data-URL image, a tool call's JSON arguments,
-whether the client asked for stream usage. Writing an answer: ``chat.completion`` and
+Reading a request: text of a content, a data-URL image, an assistant turn's tool calls
+and the request's function tools (each checked once, naming the bad entry), whether the
+client asked for stream usage; merging consecutive turns of one role, as the vendors
+that want turns alternating need. Writing an answer: ``chat.completion`` and
 ``chat.completion.chunk`` objects with one choice, the usage-only chunk, ``[DONE]``.
 A vendor mapping (gateway/protocols/gemini.py, ...) uses these so each fact about the
 OpenAI shape is written once.
@@ -20,6 +22,11 @@ from gateway.core.errors import InvalidRequest
 
 __all__ = [
     "ContentPart",
+    "FunctionTool",
+    "ToolCall",
+    "append_turn",
+    "function_tools",
+    "tool_calls_of",
     "content_parts",
     "DONE_EVENT",
     "ChunkWriter",
@@ -126,6 +133,73 @@ def parse_tool_arguments(arguments: Any) -> dict[str, Any]:
     if not isinstance(parsed, dict):
         raise ValueError("arguments must be a JSON object")
     return parsed
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One tool call of an assistant turn: its id (None if the client sent none), the
+    function's name and its arguments parsed into an object."""
+
+    id: str | None
+    name: str
+    arguments: dict[str, Any]
+
+
+def tool_calls_of(tool_calls: Any, bad: Callable[..., InvalidRequest], where: str) -> list[ToolCall]:
+    """An assistant message's ``tool_calls``; ``bad(message[, code])`` names a bad entry."""
+    if tool_calls is None:
+        return []
+    if not isinstance(tool_calls, list):
+        raise bad(f"{where}.tool_calls must be a list")
+    calls = []
+    for i, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad(f"{where}.tool_calls[{i}] needs function.name")
+        try:
+            arguments = parse_tool_arguments(function.get("arguments"))
+        except ValueError as exc:
+            raise bad(f"{where}.tool_calls[{i}].function.{exc}", "invalid_tool_arguments") from None
+        call_id = call.get("id")
+        calls.append(ToolCall(str(call_id) if call_id else None, function["name"], arguments))
+    return calls
+
+
+@dataclass(frozen=True, slots=True)
+class FunctionTool:
+    """One function tool of a request: name, description (None if absent) and the JSON
+    Schema of its parameters (None if absent or empty)."""
+
+    name: str
+    description: str | None
+    parameters: dict[str, Any] | None
+
+
+def function_tools(tools: Any, bad: Callable[[str], InvalidRequest]) -> list[FunctionTool]:
+    """A request's ``tools``, all function tools with a name (else ``bad``)."""
+    if not isinstance(tools, list):
+        raise bad("'tools' must be a list")
+    out = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad(f"tools[{i}] must be a function tool with a name")
+        description = function.get("description")
+        parameters = function.get("parameters")
+        out.append(FunctionTool(function["name"], description if isinstance(description, str) else None,
+                                parameters if isinstance(parameters, dict) and parameters else None))
+    return out
+
+
+def append_turn(turns: list[dict[str, Any]], role: str, items: list[dict[str, Any]], key: str = "content") -> None:
+    """Add ``items`` as a ``role`` turn, merged into the last turn when it has that role
+    (nothing is added for no items)."""
+    if not items:
+        return
+    if turns and turns[-1]["role"] == role:
+        turns[-1][key].extend(items)
+    else:
+        turns.append({"role": role, key: items})
 
 
 def wants_usage(body: Mapping[str, Any]) -> bool:

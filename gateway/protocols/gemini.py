@@ -34,18 +34,23 @@ from gateway.core.errors import InvalidRequest
 from gateway.protocols.chat import (
     ChunkWriter,
     UpstreamAnswerError,
+    append_turn,
     completion_object,
     content_parts,
-    parse_tool_arguments,
+    function_tools,
     text_of,
+    tool_calls_of,
     usage_object,
 )
+from gateway.protocols.embeddings import embedding_inputs, embeddings_list
 from gateway.protocols.sse import event_data
 
 __all__ = [
     "SafetyBlock",
     "StreamTranslator",
     "embedding_requests",
+    "from_predict_embeddings",
+    "predict_embeddings_request",
     "retry_delay",
     "safety_block",
     "to_chat_completion",
@@ -108,23 +113,12 @@ def _parts(content: Any, where: str) -> list[dict[str, Any]]:
 
 
 def _function_calls(tool_calls: Any, where: str, names: dict[str, str]) -> list[dict[str, Any]]:
-    if tool_calls is None:
-        return []
-    if not isinstance(tool_calls, list):
-        raise _bad(f"{where}.tool_calls must be a list")
     parts = []
-    for i, call in enumerate(tool_calls):
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise _bad(f"{where}.tool_calls[{i}] needs function.name")
-        try:
-            args = parse_tool_arguments(function.get("arguments"))
-        except ValueError as exc:
-            raise _bad(f"{where}.tool_calls[{i}].function.{exc}", "invalid_tool_arguments") from None
-        entry: dict[str, Any] = {"name": function["name"], "args": args}
-        if isinstance(call.get("id"), str):
-            entry["id"] = call["id"]
-            names[call["id"]] = function["name"]
+    for call in tool_calls_of(tool_calls, _bad, where):
+        entry: dict[str, Any] = {"name": call.name, "args": call.arguments}
+        if call.id is not None:
+            entry["id"] = call.id
+            names[call.id] = call.name
         parts.append({"functionCall": entry})
     return parts
 
@@ -145,29 +139,15 @@ def _function_response(message: Mapping[str, Any], where: str, names: Mapping[st
     return {"functionResponse": {"id": call_id, "name": name, "response": response}}
 
 
-def _append(contents: list[dict[str, Any]], role: str, parts: list[dict[str, Any]]) -> None:
-    if not parts:
-        return
-    if contents and contents[-1]["role"] == role:
-        contents[-1]["parts"].extend(parts)
-    else:
-        contents.append({"role": role, "parts": parts})
-
-
 def _tools(tools: Any) -> list[dict[str, Any]]:
-    if not isinstance(tools, list):
-        raise _bad("'tools' must be a list")
     declarations = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) and tool.get("type", "function") == "function" else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise _bad(f"tools[{i}] must be a function tool with a name")
-        entry: dict[str, Any] = {"name": function["name"]}
-        if isinstance(function.get("description"), str):
-            entry["description"] = function["description"]
-        if function.get("parameters"):
+    for tool in function_tools(tools, _bad):
+        entry: dict[str, Any] = {"name": tool.name}
+        if tool.description is not None:
+            entry["description"] = tool.description
+        if tool.parameters is not None:
             # JSON Schema as OpenAI has it; Gemini's parametersJsonSchema takes it unchanged.
-            entry["parametersJsonSchema"] = function["parameters"]
+            entry["parametersJsonSchema"] = tool.parameters
         declarations.append(entry)
     return [{"functionDeclarations": declarations}]
 
@@ -233,13 +213,13 @@ def to_generate_content(body: Mapping[str, Any]) -> dict[str, Any]:
             if text:
                 system.append(text)
         elif role == "user":
-            _append(contents, "user", _parts(message.get("content"), where))
+            append_turn(contents, "user", _parts(message.get("content"), where), "parts")
         elif role == "assistant":
             parts = _parts(message.get("content"), where)
             parts += _function_calls(message.get("tool_calls"), where, names)
-            _append(contents, "model", parts)
+            append_turn(contents, "model", parts, "parts")
         elif role == "tool":
-            _append(contents, "user", [_function_response(message, where, names)])
+            append_turn(contents, "user", [_function_response(message, where, names)], "parts")
         else:
             raise _bad(f"{where}: role {role!r} is not supported")
     out: dict[str, Any] = {"contents": contents}
@@ -430,17 +410,14 @@ class StreamTranslator:
 def embedding_requests(body: Mapping[str, Any], model: str) -> list[dict[str, Any]]:
     """``embedContent`` requests for an OpenAI embeddings body, one per input (sent alone
     to ``embedContent``, or together to ``batchEmbedContents``)."""
-    raw = body.get("input")
-    inputs = [raw] if isinstance(raw, str) else raw
-    if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) for t in inputs):
-        raise _bad("embeddings 'input' must be a string or a list of strings (token arrays are not supported)")
     request: dict[str, Any] = {"model": f"models/{model}"}
     if isinstance(body.get("dimensions"), int):
         request["outputDimensionality"] = body["dimensions"]
-    return [{**request, "content": {"parts": [{"text": text}]}} for text in inputs]
+    return [{**request, "content": {"parts": [{"text": text}]}} for text in embedding_inputs(body, _bad)]
 
 
-def to_embeddings_answer(answer: Mapping[str, Any], *, model: str, prompt_tokens: int) -> dict[str, Any]:
+def to_embeddings_answer(answer: Mapping[str, Any], *, body: Mapping[str, Any], model: str,
+                         prompt_tokens: int) -> dict[str, Any]:
     """OpenAI's embeddings list for an ``embedContent`` or ``batchEmbedContents`` answer.
 
     Gemini reports no token counts for embeddings: ``prompt_tokens`` is the caller's estimate.
@@ -448,7 +425,33 @@ def to_embeddings_answer(answer: Mapping[str, Any], *, model: str, prompt_tokens
     embeddings = [answer["embedding"]] if isinstance(answer.get("embedding"), dict) else answer.get("embeddings")
     if not isinstance(embeddings, list):
         raise UpstreamAnswerError("gemini answered embeddings without an embeddings list")
-    data = [{"object": "embedding", "index": i, "embedding": e.get("values") if isinstance(e, dict) else None}
-            for i, e in enumerate(embeddings)]
-    return {"object": "list", "data": data, "model": model,
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+    vectors = [e.get("values") if isinstance(e, dict) else None for e in embeddings]
+    return embeddings_list(vectors, model=model, prompt_tokens=prompt_tokens, body=body)
+
+
+def predict_embeddings_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Vertex AI's ``:predict`` body for text embedding models: one instance per input,
+    ``dimensions`` as ``parameters.outputDimensionality``."""
+    out: dict[str, Any] = {"instances": [{"content": text} for text in embedding_inputs(body, _bad)]}
+    if isinstance(body.get("dimensions"), int):
+        out["parameters"] = {"outputDimensionality": body["dimensions"]}
+    return out
+
+
+def from_predict_embeddings(answer: Mapping[str, Any], *, body: Mapping[str, Any], model: str) -> dict[str, Any]:
+    """OpenAI's embeddings list for a ``:predict`` answer (``predictions[].embeddings``),
+    the prompt tokens summed from each prediction's ``statistics.token_count``."""
+    predictions = answer.get("predictions")
+    if not isinstance(predictions, list):
+        raise UpstreamAnswerError("vertex answered embeddings without predictions")
+    vectors, tokens = [], 0
+    for prediction in predictions:
+        embeddings = prediction.get("embeddings") if isinstance(prediction, dict) else None
+        if not isinstance(embeddings, dict):
+            raise UpstreamAnswerError("vertex answered a prediction without embeddings")
+        vectors.append(embeddings.get("values"))
+        statistics = embeddings.get("statistics")
+        count = statistics.get("token_count") if isinstance(statistics, dict) else None
+        if isinstance(count, int | float) and not isinstance(count, bool):
+            tokens += round(count)  # a number in JSON; Vertex writes it as a float
+    return embeddings_list(vectors, model=model, prompt_tokens=tokens, body=body)

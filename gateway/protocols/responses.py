@@ -314,15 +314,19 @@ def _output_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
-def to_response(answer: Mapping[str, Any], body: Mapping[str, Any], response_id: str, *, model: str) -> dict[str, Any]:
-    """The ``response`` object for a whole ``chat.completion`` answering ``body``."""
+def to_response(
+    answer: Mapping[str, Any], body: Mapping[str, Any], response_id: str, *, model: str, created_at: int | None = None,
+) -> dict[str, Any]:
+    """The ``response`` object for a whole ``chat.completion`` answering ``body``; made at
+    ``created_at`` (default: the answer's ``created``)."""
     choices = answer.get("choices")
     first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
     message = as_object(first.get("message"))
     incomplete = first.get("finish_reason") == "length"
     return response_object(
         response_id, body, model=str(answer.get("model") or model),
-        created_at=answer.get("created") if isinstance(answer.get("created"), int) else None,
+        created_at=created_at if created_at is not None else (
+            answer.get("created") if isinstance(answer.get("created"), int) else None),
         status="incomplete" if incomplete else "completed", output=_output_items(message),
         usage=response_usage(answer.get("usage")),
         incomplete_reason="max_output_tokens" if incomplete else None,

@@ -46,11 +46,12 @@ def failed_event(response_id: str, body: Mapping[str, Any], sequence_number: int
 class EventsFromChunks:
     """One stream's framer: feed chat chunk payloads, then :meth:`finish` at ``[DONE]``."""
 
-    def __init__(self, response_id: str, body: Mapping[str, Any], *, model: str) -> None:
+    def __init__(self, response_id: str, body: Mapping[str, Any], *, model: str, created_at: int | None = None) -> None:
         self.response_id = response_id
         self.body = body
         self.model = model
-        self.created_at: int | None = None
+        #: When the response was made (default: the first chunk's ``created``).
+        self.created_at: int | None = created_at
         self.sequence = 0
         self.started = False
         self.finished = False
@@ -78,7 +79,8 @@ class EventsFromChunks:
         if isinstance(chunk.get("model"), str) and chunk["model"]:
             self.model = chunk["model"]
         created = chunk.get("created")
-        self.created_at = created if isinstance(created, int) else None
+        if self.created_at is None and isinstance(created, int):
+            self.created_at = created
         snapshot = self._snapshot("in_progress")
         self.created_at = snapshot["created_at"]
         return [self._event("response.created", {"response": snapshot}),

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, AsyncIterator
 
-__all__ = ["EventTooLarge", "iter_events", "event_data"]
+import orjson
+
+__all__ = ["EventTooLarge", "iter_events", "event_data", "stream_texts"]
 
 #: Largest single event accepted; bounds memory on a provider that never ends an event.
 MAX_EVENT_BYTES = 16 * 1024 * 1024
@@ -83,3 +85,34 @@ def event_data(event: bytes) -> bytes | None:
             value = line[5:]
             parts.append(value[1:] if value.startswith(b" ") else value)
     return b"\n".join(parts) if parts else None
+
+
+def stream_texts(event: bytes, wire: str) -> list[tuple[int, str]]:
+    """The (index, text) deltas of one stream event in ``wire`` (chat chunks, Anthropic
+    events, Responses events); [] for anything else."""
+    data = event_data(event)
+    if data is None or data == b"[DONE]":
+        return []
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return []
+    if not isinstance(obj, dict):
+        return []
+    out: list[tuple[int, str]] = []
+    if wire == "chat":
+        choices = obj.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
+            delta = choice.get("delta") if isinstance(choice, dict) else None
+            if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+                index = choice.get("index", 0)
+                out.append((index if isinstance(index, int) else 0, delta["content"]))
+    elif wire == "anthropic":
+        delta = obj.get("delta")
+        if obj.get("type") == "content_block_delta" and isinstance(delta, dict) and isinstance(delta.get("text"), str):
+            index = obj.get("index", 0)
+            out.append((index if isinstance(index, int) else 0, delta["text"]))
+    elif wire == "responses" and obj.get("type") == "response.output_text.delta" and isinstance(obj.get("delta"), str):
+        index = obj.get("output_index", 0)
+        out.append((index if isinstance(index, int) else 0, obj["delta"]))
+    return out

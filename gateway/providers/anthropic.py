@@ -39,7 +39,7 @@ from gateway.providers.base import (
     client_timeout,
     fetch_model_ids,
     map_transport_errors,
-    read_whole,
+    read_reply,
 )
 
 __all__ = [
@@ -121,23 +121,12 @@ class AnthropicProvider(Provider):
                 timeout=client_timeout(timeouts or self.timeouts, stream=stream),
                 auto_decompress=True,
             )
-        try:
-            content_type = resp.headers.get("Content-Type", "")
-            if stream and resp.status < 300 and content_type.startswith("text/event-stream"):
-                translator = StreamTranslator(
-                    model=str(body.get("model") or ""), include_usage=_wants_usage(body)
-                )
-                return UpstreamReply(
-                    status=resp.status,
-                    headers=_JSON_HEADERS,
-                    events=_translated_events(resp, translator),
-                    _release=resp.release,
-                )
-            raw = await read_whole(resp, self.config.max_response_bytes)
-        except BaseException:
-            resp.close()
-            raise
-        resp.release()
+        content_type = resp.headers.get("Content-Type", "")
+        if stream and resp.status < 300 and content_type.startswith("text/event-stream"):
+            translator = StreamTranslator(model=str(body.get("model") or ""), include_usage=_wants_usage(body))
+            return UpstreamReply(status=resp.status, headers=_JSON_HEADERS,
+                                 events=_translated_events(resp, translator), _release=resp.release)
+        raw = await read_reply(resp, self.config.max_response_bytes)
         reply_headers = dict(_JSON_HEADERS)
         if "retry-after" in resp.headers:
             reply_headers["retry-after"] = resp.headers["retry-after"]
@@ -187,17 +176,11 @@ class AnthropicProvider(Provider):
             resp = await self._session.post(
                 url, data=orjson.dumps(body), headers=send_headers, timeout=client_timeout(timeouts, stream=stream)
             )
-        try:
-            content_type = resp.headers.get("Content-Type", "")
-            if stream and resp.status < 300 and content_type.startswith("text/event-stream"):
-                return UpstreamReply(status=resp.status, headers={"Content-Type": content_type},
-                                     events=_native_events(resp), _release=resp.release, wire="anthropic")
-            with map_transport_errors():
-                raw = await resp.read()
-        except BaseException:
-            resp.close()
-            raise
-        resp.release()
+        content_type = resp.headers.get("Content-Type", "")
+        if stream and resp.status < 300 and content_type.startswith("text/event-stream"):
+            return UpstreamReply(status=resp.status, headers={"Content-Type": content_type},
+                                 events=_native_events(resp), _release=resp.release, wire="anthropic")
+        raw = await read_reply(resp, self.config.max_response_bytes)
         reply_headers = {"Content-Type": content_type or "application/json"}
         for name in _NATIVE_REPLY_HEADERS:
             if name in resp.headers:

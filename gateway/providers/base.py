@@ -17,8 +17,9 @@ from typing import Any, Literal
 
 import aiohttp
 import orjson
+import yarl
 
-from gateway.core.config import ProviderConfig
+from gateway.core.config import Deployment, ProviderConfig
 from gateway.protocols.sse import EventTooLarge
 from gateway.providers.credentials import Credential
 
@@ -36,7 +37,9 @@ __all__ = [
     "client_timeout",
     "error_detail",
     "fetch_model_ids",
+    "json_object",
     "map_transport_errors",
+    "read_reply",
     "read_whole",
 ]
 
@@ -225,6 +228,11 @@ class Provider:
         #: What a call gets when its route group sets no timeouts of its own.
         self.timeouts = Timeouts(config.connect_timeout, self.request_timeout, self.idle_timeout)
 
+    def for_deployment(self, deployment: Deployment) -> Provider:
+        """The provider a call to ``deployment`` goes through: this one, or, for a type whose
+        deployments may name their own region (Bedrock), a view of it in that region."""
+        return self
+
     async def chat(
         self,
         body: dict[str, Any],
@@ -287,6 +295,27 @@ class Provider:
         """Where ``/passthrough/{provider}/{path}`` sends ``path`` ("" if nowhere)."""
         return self.config.base_url
 
+    async def passthrough_request(
+        self, method: str, path: str, query: str, headers: Mapping[str, str], body: bytes
+    ) -> tuple[str | yarl.URL, dict[str, str]]:
+        """Where a pass-through call of ``path`` (decoded, under :attr:`passthrough_base`)
+        and ``query`` (as the client wrote it) goes, and the headers carrying the
+        provider's credential for it (they replace the forwarded ``headers`` of the same name).
+        A provider whose signature covers the request (Bedrock's SigV4) signs it here."""
+        url = f"{self.passthrough_base}/{path}"
+        return (f"{url}?{query}" if query else url), await self.credential_headers()
+
+    def passthrough_model(self, path: str) -> str | None:
+        """The model a pass-through ``path`` names, for a wire with the model in its URL
+        (Gemini's ``.../models/{model}:method``, Bedrock's ``model/{modelId}/...``); else None."""
+        return None
+
+    def passthrough_payloads(self, content_type: str) -> Callable[[bytes], list[bytes]] | None:
+        """For an answer streamed in frames of the vendor's own (neither JSON nor SSE):
+        a reader turning the body's chunks into the JSON payloads they carry, so their
+        usage can be read on the side; None for every other answer."""
+        return None
+
     async def credential_headers(self) -> dict[str, str]:
         """The headers carrying this provider's credential (for pass-through calls)."""
         key = self.credential.current()
@@ -330,6 +359,29 @@ async def read_whole(resp: aiohttp.ClientResponse, limit: int) -> bytes:
             if len(body) > limit:
                 raise UpstreamBodyTooLarge(f"upstream answer is over the {limit}-byte limit")
     return bytes(body)
+
+
+async def read_reply(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body of a provider's answer (bounded as :func:`read_whole`); the connection
+    is given back after it, or closed when reading failed (a half-read body must not be reused)."""
+    try:
+        raw = await read_whole(resp, limit)
+    except BaseException:
+        resp.close()
+        raise
+    resp.release()
+    return raw
+
+
+def json_object(raw: bytes, vendor: str) -> dict[str, Any]:
+    """``raw`` parsed as the JSON object a vendor's answer must be; else the provider failed."""
+    try:
+        answer = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise UpstreamProtocolError(f"{vendor} answered a body that is not JSON") from None
+    if not isinstance(answer, dict):
+        raise UpstreamProtocolError(f"{vendor} answered JSON that is not an object")
+    return answer
 
 
 def client_timeout(timeouts: Timeouts, *, stream: bool) -> aiohttp.ClientTimeout:

@@ -10,17 +10,25 @@ content (best atomically: write a new file, rename it over the old one).
 
 A file that disappears, cannot be read or is empty keeps the last good key in use and
 logs one warning per change (never the key itself).
+
+Cloud credentials whose refresh is blocking I/O (Google's token endpoint or metadata
+server, AWS's credential chain) are held by :class:`RefreshedInThread`: refreshed in a
+worker thread, one refresh at a time, only when the holder says the value is stale.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
-__all__ = ["CHECK_EVERY_SECONDS", "Credential"]
+__all__ = ["CHECK_EVERY_SECONDS", "Credential", "RefreshedInThread"]
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("gateway.providers")
 
@@ -91,3 +99,31 @@ class Credential:
         if fresh != self._value:
             self._value = fresh
             log.info("provider %s: key re-read from %s", self._provider, self._path)
+
+
+class RefreshedInThread(Generic[_T]):
+    """A credential refreshed by blocking I/O: in a worker thread, one refresh at a time.
+
+    ``refresh(previous)`` (run in the thread; ``previous`` is None the first time) returns
+    the fresh value; ``stale(value)`` says, on the event loop and cheaply, whether the value
+    in hand must be refreshed before use. Callers that find it stale together share one
+    refresh; an exception from ``refresh`` reaches each of them and keeps the old value.
+    """
+
+    __slots__ = ("_lock", "_refresh", "_stale", "_value")
+
+    def __init__(self, refresh: Callable[[_T | None], _T], stale: Callable[[_T | None], bool]) -> None:
+        self._refresh = refresh
+        self._stale = stale
+        self._value: _T | None = None
+        self._lock = asyncio.Lock()
+
+    async def current(self) -> _T:
+        """The value, refreshed first when stale."""
+        value = self._value
+        if value is not None and not self._stale(value):
+            return value
+        async with self._lock:
+            if self._value is None or self._stale(self._value):
+                self._value = await asyncio.to_thread(self._refresh, self._value)
+            return self._value

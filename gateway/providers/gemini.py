@@ -13,7 +13,7 @@ first for that reason); a ``google.rpc.RetryInfo`` delay on a 429 becomes the re
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -31,10 +31,12 @@ from gateway.providers.base import (
     UpstreamProtocolError,
     UpstreamReply,
     client_timeout,
+    json_object,
     map_transport_errors,
+    read_reply,
 )
 
-__all__ = ["GeminiProvider"]
+__all__ = ["GeminiProvider", "google_error_reply", "translated"]
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -65,6 +67,11 @@ class GeminiProvider(Provider):
         name = model.removeprefix("models/")
         return f"{self._models_url}/models/{quote(name, safe='')}:{method}"
 
+    def passthrough_model(self, path: str) -> str | None:
+        _, found, rest = path.rpartition("models/")
+        model = rest.partition(":")[0]
+        return model if found and model and "/" not in model else None
+
     async def auth_headers(self) -> Mapping[str, str]:
         """The headers every call sends, credential included (the API key here)."""
         return self.keyed_headers(self._headers)
@@ -92,18 +99,16 @@ class GeminiProvider(Provider):
         payload = wire.to_generate_content(body)
         method = "streamGenerateContent?alt=sse" if stream else "generateContent"
         resp = await self._post(self.url(model, method), payload, stream=stream, headers=headers, timeouts=timeouts)
-        try:
-            if stream and resp.status < 300:
+        if stream and resp.status < 300:
+            try:
                 return await self._stream_reply(resp, model, wants_usage(body))
-            with map_transport_errors():
-                raw = await resp.read()
-        except BaseException:
-            resp.close()
-            raise
-        resp.release()
+            except BaseException:
+                resp.close()
+                raise
+        raw = await read_reply(resp, self.config.max_response_bytes)
         if resp.status >= 300:
-            return _error_reply(resp.status, raw)
-        answer = _json_object(raw)
+            return google_error_reply(resp.status, raw)
+        answer = json_object(raw, "gemini")
         block = wire.safety_block(answer)
         if block is not None:
             return UpstreamReply(status=400, headers=_JSON_HEADERS, body=block.openai_error())
@@ -119,7 +124,7 @@ class GeminiProvider(Provider):
         first: dict[str, Any] | None = None
         with map_transport_errors():
             async for event in events:
-                first = _translated(translator.parse, event)
+                first = translated(translator.parse, event)
                 if first is not None:
                     break
         if first is None:
@@ -140,20 +145,16 @@ class GeminiProvider(Provider):
         single = isinstance(body.get("input"), str)
         method, payload = ("embedContent", requests[0]) if single else ("batchEmbedContents", {"requests": requests})
         resp = await self._post(self.url(model, method), payload, stream=False, headers=headers, timeouts=timeouts)
-        try:
-            with map_transport_errors():
-                raw = await resp.read()
-        finally:
-            resp.release()
+        raw = await read_reply(resp, self.config.max_response_bytes)
         if resp.status >= 300:
-            return _error_reply(resp.status, raw)
+            return google_error_reply(resp.status, raw)
         estimate = sum(count_tokens(r["content"]["parts"][0]["text"]) for r in requests)
-        answer = _translated(lambda a: wire.to_embeddings_answer(a, model=model, prompt_tokens=estimate),
-                             _json_object(raw))
+        answer = translated(lambda a: wire.to_embeddings_answer(a, body=body, model=model, prompt_tokens=estimate),
+                            json_object(raw, "gemini"))
         return UpstreamReply(status=200, headers=_JSON_HEADERS, body=orjson.dumps(answer))
 
 
-def _translated(translate: Any, value: Any) -> Any:
+def translated(translate: Callable[[Any], Any], value: Any) -> Any:
     """``translate(value)``, a broken answer being the provider's failure (502 after retries)."""
     try:
         return translate(value)
@@ -161,34 +162,27 @@ def _translated(translate: Any, value: Any) -> Any:
         raise UpstreamProtocolError(str(exc)) from None
 
 
-def _json_object(raw: bytes) -> dict[str, Any]:
-    try:
-        answer = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise UpstreamProtocolError("gemini answered a body that is not JSON") from None
-    if not isinstance(answer, dict):
-        raise UpstreamProtocolError("gemini answered JSON that is not an object")
-    return answer
-
-
-def _error_reply(status: int, raw: bytes) -> UpstreamReply:
+def google_error_reply(status: int, raw: bytes, error_body: Callable[[int, bytes], bytes] = wire.to_openai_error
+                       ) -> UpstreamReply:
+    """A Google API error answer (Gemini's, Vertex's) in the OpenAI shape via ``error_body``,
+    the delay of a ``google.rpc.RetryInfo`` detail as ``retry-after``."""
     headers = dict(_JSON_HEADERS)
     delay = wire.retry_delay(raw)
     if delay is not None:
         headers["retry-after"] = str(math.ceil(delay))
-    return UpstreamReply(status=status, headers=headers, body=wire.to_openai_error(status, raw))
+    return UpstreamReply(status=status, headers=headers, body=error_body(status, raw))
 
 
 async def _relay(
     first: dict[str, Any], events: AsyncIterator[bytes], translator: wire.StreamTranslator
 ) -> AsyncIterator[bytes]:
-    for out in _translated(translator.feed, first):
+    for out in translated(translator.feed, first):
         yield out
     with map_transport_errors():
         async for event in events:
-            answer = _translated(translator.parse, event)
+            answer = translated(translator.parse, event)
             if answer is not None:
-                for out in _translated(translator.feed, answer):
+                for out in translated(translator.feed, answer):
                     yield out
-    for out in _translated(lambda _: translator.close(), None):
+    for out in translated(lambda _: translator.close(), None):
         yield out

@@ -24,7 +24,7 @@ from gateway.providers.base import (
     client_timeout,
     fetch_model_ids,
     map_transport_errors,
-    read_whole,
+    read_reply,
 )
 
 __all__ = ["OpenAIProvider"]
@@ -107,20 +107,10 @@ class OpenAIProvider(Provider):
             resp = await self._session.post(
                 url, data=data, headers=send_headers, timeout=timeout, auto_decompress=True
             )
-        try:
-            content_type = resp.headers.get("Content-Type", "")
-            if stream and resp.status < 300 and content_type.startswith("text/event-stream"):
-                return UpstreamReply(
-                    status=resp.status,
-                    headers=resp.headers,
-                    events=_events(resp),
-                    _release=resp.release,
-                )
-            payload = await read_whole(resp, self.config.max_response_bytes)
-        except BaseException:
-            resp.close()
-            raise
-        resp.release()
+        content_type = resp.headers.get("Content-Type", "")
+        if stream and resp.status < 300 and content_type.startswith("text/event-stream"):
+            return UpstreamReply(status=resp.status, headers=resp.headers, events=_events(resp), _release=resp.release)
+        payload = await read_reply(resp, self.config.max_response_bytes)
         answer = _checked_whole_answer(payload, content_type, stream=stream) if resp.status < 300 else None
         return UpstreamReply(status=resp.status, headers=resp.headers, body=payload, answer=answer)
 

@@ -8,7 +8,9 @@ Needs the ``vertex`` extra (google-auth). Calls go to
 defaults to ``https://{location}-aiplatform.googleapis.com`` (``https://aiplatform.googleapis.com``
 for the ``global`` location). Claude models (``claude-*``) go to the ``anthropic``
 publisher's ``:rawPredict`` / ``:streamRawPredict`` with the Messages API mapping of
-gateway/providers/anthropic.py, ``anthropic_version`` set as Vertex wants.
+gateway/providers/anthropic.py, ``anthropic_version`` set as Vertex wants. Embeddings go
+to the text embedding model's ``:predict`` (``instances[].content`` →
+``predictions[].embeddings.values``, tokens from ``statistics.token_count``).
 
 Credentials: a service-account key file (``credentials_file``), else google-auth's
 Application Default Credentials (``GOOGLE_APPLICATION_CREDENTIALS``, gcloud's user
@@ -20,8 +22,6 @@ refresh is blocking I/O), one refresh at a time. Tokens are never logged.
 
 from __future__ import annotations
 
-import asyncio
-import math
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from typing import Any
@@ -43,9 +43,12 @@ from gateway.providers.base import (
     Timeouts,
     UpstreamProtocolError,
     UpstreamReply,
+    json_object,
     map_transport_errors,
+    read_reply,
 )
-from gateway.providers.gemini import GeminiProvider
+from gateway.providers.credentials import RefreshedInThread
+from gateway.providers.gemini import GeminiProvider, google_error_reply, translated
 
 __all__ = ["CLOUD_PLATFORM_SCOPE", "VERTEX_ANTHROPIC_VERSION", "GoogleAccessToken", "VertexProvider",
            "is_anthropic_model"]
@@ -66,8 +69,7 @@ class GoogleAccessToken:
 
     def __init__(self, credentials_file: str | None) -> None:
         self._file = credentials_file
-        self._credentials: Any = None
-        self._lock = asyncio.Lock()
+        self._credentials: RefreshedInThread[Any] = RefreshedInThread(self._refreshed, _expired)
 
     def _load(self) -> Any:
         if self._file is not None:
@@ -75,33 +77,29 @@ class GoogleAccessToken:
         credentials, _project = google.auth.default(scopes=[CLOUD_PLATFORM_SCOPE])
         return credentials
 
-    def _refresh(self) -> None:
-        if self._credentials is None:
-            self._credentials = self._load()
-        self._credentials.refresh(GoogleAuthRequest())
+    def _refreshed(self, credentials: Any) -> Any:
+        credentials = credentials if credentials is not None else self._load()
+        credentials.refresh(GoogleAuthRequest())
+        return credentials
 
     async def current(self) -> str:
         """A valid access token; UpstreamProtocolError when none can be had."""
-        credentials = self._credentials
-        if credentials is not None and credentials.valid and credentials.token:
-            return str(credentials.token)
-        async with self._lock:
-            credentials = self._credentials
-            if credentials is None or not credentials.valid or not credentials.token:
-                try:
-                    await asyncio.to_thread(self._refresh)
-                except (google.auth.exceptions.GoogleAuthError, OSError, ValueError) as exc:
-                    # The message names the failure, never a token or a key.
-                    raise UpstreamProtocolError(f"no Google access token: {type(exc).__name__}: {exc}") from None
-        return str(self._credentials.token)
+        try:
+            credentials = await self._credentials.current()
+        except (google.auth.exceptions.GoogleAuthError, OSError, ValueError) as exc:
+            # The message names the failure, never a token or a key.
+            raise UpstreamProtocolError(f"no Google access token: {type(exc).__name__}: {exc}") from None
+        return str(credentials.token)
+
+
+def _expired(credentials: Any) -> bool:
+    return credentials is None or not credentials.valid or not credentials.token
 
 
 class VertexProvider(GeminiProvider):
     """Speaks the Gemini wire to Vertex AI for one project and location."""
 
     system = "gcp.vertex_ai"
-    #: Vertex embeds through ``:predict`` with another shape; not mapped.
-    serves_embeddings = False
 
     def __init__(
         self, config: ProviderConfig, session: aiohttp.ClientSession, *, request_timeout: float
@@ -145,32 +143,33 @@ class VertexProvider(GeminiProvider):
         payload["anthropic_version"] = VERTEX_ANTHROPIC_VERSION
         url = self.url(model, "streamRawPredict" if stream else "rawPredict")
         resp = await self._post(url, payload, stream=stream, headers=headers, timeouts=timeouts)
-        try:
-            if stream and resp.status < 300 and resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-                translator = anthropic.StreamTranslator(model=model, include_usage=wants_usage(body))
-                return UpstreamReply(status=resp.status, headers=_JSON_HEADERS,
-                                     events=_anthropic_events(resp, translator), _release=resp.release)
-            with map_transport_errors():
-                raw = await resp.read()
-        except BaseException:
-            resp.close()
-            raise
-        resp.release()
+        if stream and resp.status < 300 and resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+            translator = anthropic.StreamTranslator(model=model, include_usage=wants_usage(body))
+            return UpstreamReply(status=resp.status, headers=_JSON_HEADERS,
+                                 events=_anthropic_events(resp, translator), _release=resp.release)
+        raw = await read_reply(resp, self.config.max_response_bytes)
         if resp.status >= 300:
-            reply_headers = dict(_JSON_HEADERS)
-            delay = gemini_wire.retry_delay(raw)
-            if delay is not None:
-                reply_headers["retry-after"] = str(math.ceil(delay))
-            return UpstreamReply(status=resp.status, headers=reply_headers, body=_error_body(resp.status, raw))
-        try:
-            message = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise UpstreamProtocolError("vertex answered a body that is not JSON") from None
-        if not isinstance(message, dict) or message.get("type") != "message":
+            return google_error_reply(resp.status, raw, _error_body)
+        message = json_object(raw, "vertex")
+        if message.get("type") != "message":
             raise UpstreamProtocolError("vertex answered something other than an Anthropic message")
         if stream:
             raise UpstreamProtocolError("vertex answered a stream request without an event stream")
         return UpstreamReply(status=200, headers=_JSON_HEADERS, body=orjson.dumps(anthropic.to_chat_completion(message)))
+
+    async def embeddings(
+        self, body: dict[str, Any], *, headers: Mapping[str, str], timeouts: Timeouts | None = None
+    ) -> UpstreamReply:
+        """Text embedding models (``text-embedding-005``, ``gemini-embedding-001``, ...) at ``:predict``."""
+        model = str(body.get("model") or "").removeprefix("models/")
+        payload = gemini_wire.predict_embeddings_request(body)
+        resp = await self._post(self.url(model, "predict"), payload, stream=False, headers=headers, timeouts=timeouts)
+        raw = await read_reply(resp, self.config.max_response_bytes)
+        if resp.status >= 300:
+            return google_error_reply(resp.status, raw)
+        answer = translated(lambda a: gemini_wire.from_predict_embeddings(a, body=body, model=model),
+                            json_object(raw, "vertex"))
+        return UpstreamReply(status=200, headers=_JSON_HEADERS, body=orjson.dumps(answer))
 
     async def auth_headers(self) -> Mapping[str, str]:
         return {**self._headers, "Authorization": f"Bearer {await self._token.current()}"}

@@ -8,6 +8,8 @@ answers, ``state.calls`` lists what each call carried.
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -15,7 +17,7 @@ from typing import Any, Final
 import orjson
 from aiohttp import web
 
-__all__ = ["STATE_KEY", "Call", "VendorState", "json_response"]
+__all__ = ["STATE_KEY", "Call", "VendorState", "json_response", "unit_vector"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +61,9 @@ class VendorState:
         return self.script.popleft() if self.script else {}
 
     def model_calls(self) -> list[Call]:
-        """The calls other than token requests."""
-        return [c for c in self.calls if "/oauth2/" not in c.path and not c.path.endswith("/token")]
+        """The calls other than credential requests (token endpoints, metadata servers)."""
+        return [c for c in self.calls if "/oauth2/" not in c.path and not c.path.endswith(("/token", "-credentials", "/sts"))
+                and not c.path.startswith("/computeMetadata/") and c.path != "/"]
 
 
 STATE_KEY: Final = web.AppKey("vendor_fake_state", VendorState)
@@ -68,3 +71,11 @@ STATE_KEY: Final = web.AppKey("vendor_fake_state", VendorState)
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(obj), content_type="application/json", headers=headers)
+
+
+def unit_vector(text: str, dimensions: int) -> list[float]:
+    """A deterministic unit-length embedding of ``text`` (what an embedding fake answers)."""
+    digest = hashlib.shake_256(text.encode()).digest(dimensions)
+    values = [b / 127.5 - 1.0 for b in digest]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return [round(v / norm, 6) for v in values]

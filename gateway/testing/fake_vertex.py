@@ -8,10 +8,20 @@ public key, issued by its ``client_email``, for Google's token endpoint (``aud``
 models/{model}:generateContent`` (and ``:streamGenerateContent?alt=sse``) need
 ``Authorization: Bearer`` with an issued, unexpired token (else Google's 401
 UNAUTHENTICATED) and the fake's project and location (else 403 / 400), then answer as
-the Gemini fake does (gateway/testing/fake_gemini.py). Claude models answer at
+the Gemini fake does (gateway/testing/fake_gemini.py). Text embedding models answer
+``:predict``: ``instances[].content`` (with ``task_type`` / ``title``), ``parameters``
+``outputDimensionality`` / ``autoTruncate``, at most 250 instances, other fields a 400
+INVALID_ARGUMENT; ``predictions[].embeddings`` ``{values, statistics: {token_count,
+truncated}}`` and ``metadata.billableCharacterCount``. Claude models answer at
 ``publishers/anthropic/models/{model}:rawPredict`` / ``:streamRawPredict`` with the
 Messages API's shapes (gateway/testing/fake_llm.py), requiring Vertex's
 ``anthropic_version: vertex-2023-10-16`` and no ``model`` in the body.
+
+The GCE metadata server is here too (for Application Default Credentials on GCE, GKE,
+Cloud Run): ``GET /`` answers the ``Metadata-Flavor: Google`` ping, and
+``/computeMetadata/v1/`` the project id, the default service account's info and its
+access token (issued and accepted like the token endpoint's), each only to a request
+carrying ``Metadata-Flavor: Google``, as the real server wants.
 """
 
 from __future__ import annotations
@@ -27,9 +37,10 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 
+from gateway.core.tokens import count_tokens
 from gateway.testing.fake_gemini import answer_model_call, google_error
 from gateway.testing.fake_llm import anthropic_message, anthropic_stream_events
-from gateway.testing.fake_vendor import STATE_KEY, VendorState, json_response
+from gateway.testing.fake_vendor import STATE_KEY, VendorState, json_response, unit_vector
 
 __all__ = ["VertexFake", "make_app"]
 
@@ -48,6 +59,7 @@ class VertexFake:
     project: str = "fake-project"
     location: str = "europe-west4"
     models: tuple[str, ...] = ("gemini-2.5-flash",)
+    embedding_models: tuple[str, ...] = ("text-embedding-005",)
     token_lifetime: int = 3599
     state: VendorState = field(default_factory=VendorState)
     #: Issued token → when it expires (Unix seconds).
@@ -89,10 +101,7 @@ async def _token(request: web.Request) -> web.Response:
     claims = _verified_claims(str(form.get("assertion", "")), fake, _AUDIENCE)
     if isinstance(claims, str):
         return json_response({"error": "invalid_grant", "error_description": claims}, 400)
-    token = f"ya29.fake-{len(fake.expiries) + 1}"
-    fake.expiries[token] = time.time() + fake.token_lifetime
-    fake.state.issued_tokens.append(token)
-    return json_response({"access_token": token, "expires_in": fake.token_lifetime, "token_type": "Bearer"})
+    return json_response(_issue_token(fake))
 
 
 async def _model_route(request: web.Request) -> web.StreamResponse:
@@ -100,7 +109,36 @@ async def _model_route(request: web.Request) -> web.StreamResponse:
     body = await fake.state.record(request)
     if (refused := _refused(request, fake)) is not None:
         return refused
+    if request.match_info["target"].endswith(":predict"):
+        return _predict(fake, request.match_info["target"].removesuffix(":predict"), body)
     return await answer_model_call(request, fake.state, fake.models, body)
+
+
+_INSTANCE_FIELDS = {"content", "task_type", "title"}
+_PARAMETER_FIELDS = {"outputDimensionality", "autoTruncate"}
+
+
+def _predict(fake: VertexFake, model: str, body: Any) -> web.Response:
+    """A text embedding model's ``:predict``."""
+    if model not in fake.embedding_models:
+        return google_error(404, f"Publisher Model `{model}` was not found or your project does not have access to it.")
+    instances = body.get("instances") if isinstance(body, dict) else None
+    parameters = (body.get("parameters") or {}) if isinstance(body, dict) else {}
+    if not isinstance(instances, list) or not 0 < len(instances) <= 250 or set(body) - {"instances", "parameters"} \
+            or not isinstance(parameters, dict) or set(parameters) - _PARAMETER_FIELDS \
+            or not all(isinstance(i, dict) and isinstance(i.get("content"), str) and not set(i) - _INSTANCE_FIELDS
+                       for i in instances):
+        return google_error(400, "Invalid JSON payload: instances[] of {content} (1 to 250) and parameters "
+                                 "{outputDimensionality, autoTruncate} only.")
+    step = fake.state.next_step()
+    if "status" in step:
+        return google_error(int(step["status"]), "scripted failure")
+    dimensions = int(parameters.get("outputDimensionality") or 768)
+    predictions = [{"embeddings": {"values": unit_vector(i["content"], dimensions),
+                                   "statistics": {"token_count": count_tokens(i["content"]), "truncated": False}}}
+                   for i in instances]
+    return json_response({"predictions": predictions,
+                          "metadata": {"billableCharacterCount": sum(len(i["content"]) for i in instances)}})
 
 
 def _refused(request: web.Request, fake: VertexFake) -> web.Response | None:
@@ -144,6 +182,37 @@ async def _anthropic_route(request: web.Request) -> web.StreamResponse:
     return response
 
 
+_METADATA_FLAVOR = {"Metadata-Flavor": "Google"}
+
+
+def _issue_token(fake: VertexFake) -> dict[str, Any]:
+    token = f"ya29.fake-{len(fake.expiries) + 1}"
+    fake.expiries[token] = time.time() + fake.token_lifetime
+    fake.state.issued_tokens.append(token)
+    return {"access_token": token, "expires_in": fake.token_lifetime, "token_type": "Bearer"}
+
+
+async def _metadata(request: web.Request) -> web.Response:
+    """The GCE metadata server's few routes google-auth reads."""
+    fake: VertexFake = request.app[_FAKE_KEY]
+    await fake.state.record(request)
+    if request.headers.get("Metadata-Flavor") != "Google":
+        return web.Response(status=403, text="Missing Metadata-Flavor:Google header.", headers=_METADATA_FLAVOR)
+    path = request.match_info["path"]
+    if path == "":
+        return web.Response(text="computeMetadata/\n", headers=_METADATA_FLAVOR)
+    if path == "computeMetadata/v1/project/project-id":
+        return web.Response(text=fake.project, headers=_METADATA_FLAVOR)
+    if path == "computeMetadata/v1/universe/universe-domain":
+        return web.Response(text="googleapis.com", headers=_METADATA_FLAVOR)
+    if path == "computeMetadata/v1/instance/service-accounts/default/":
+        return json_response({"aliases": ["default"], "email": fake.client_email, "scopes": [_SCOPE]},
+                             headers=_METADATA_FLAVOR)
+    if path == "computeMetadata/v1/instance/service-accounts/default/token":
+        return json_response(_issue_token(fake), headers=_METADATA_FLAVOR)
+    return web.Response(status=404, text="not found", headers=_METADATA_FLAVOR)
+
+
 _FAKE_KEY = web.AppKey("vertex_fake", VertexFake)
 
 
@@ -153,6 +222,7 @@ def make_app(fake: VertexFake) -> web.Application:
     app[_FAKE_KEY] = fake
     app[STATE_KEY] = fake.state
     app.router.add_post("/token", _token)
+    app.router.add_get("/{path:(computeMetadata/.*)?}", _metadata)
     app.router.add_post(
         "/v1/projects/{project}/locations/{location}/publishers/google/models/{target}", _model_route)
     app.router.add_post(

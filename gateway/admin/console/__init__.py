@@ -10,6 +10,7 @@ functions the admin API answers with. The script only sends changes to the admin
 * :mod:`.auth` — sign-in with the admin token or OIDC (:mod:`.oidc`), sign-out.
 * :mod:`.dashboards` — Overview, Usage (+ CSV), Providers, Cache, Audit.
 * :mod:`.keys` — Keys (search, create, edit, revoke, rotate) and Subjects/budgets.
+* :mod:`.requests` — Requests: the request logs, bodies for an admin only.
 * :mod:`.layout` — the HTML frame, tables, charts; the static assets and the CSP.
 """
 
@@ -22,6 +23,7 @@ from gateway.admin.console.dashboards import dashboard_routes
 from gateway.admin.console.keys import key_routes
 from gateway.admin.console.layout import static_handler
 from gateway.admin.console.oidc import OidcClient
+from gateway.admin.console.requests import request_routes
 from gateway.admin.routes import AdminAuth
 from gateway.http.state import STATE
 
@@ -43,3 +45,4 @@ def add_console(app: web.Application, auth: AdminAuth) -> None:
     sign_in_routes(app.router)
     dashboard_routes(app.router)
     key_routes(app.router)
+    request_routes(app.router)

@@ -50,6 +50,7 @@ NAV = (
     ("/ui/providers", "Providers"),
     ("/ui/cache", "Cache"),
     ("/ui/audit", "Audit"),
+    ("/ui/requests", "Requests"),
 )
 
 _TYPES = {".css": "text/css", ".js": "text/javascript", ".svg": "image/svg+xml"}
