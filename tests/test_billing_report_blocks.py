@@ -262,7 +262,7 @@ async def test_the_migration_backfills_the_blocks_and_the_trigger_keeps_them(pg_
             subject, keys = uuid.uuid4(), [uuid.uuid4(), uuid.uuid4()]
             events = make_events(keys, subject, ["m1", "m2"], ["p", "p-venice"], seed=5, n=600)
             await ship_lines(conn, [e.to_line() for e in events[:500]])
-            assert await migrate(conn) == ["0015_usage_blocks.sql"]
+            assert (await migrate(conn))[0] == "0015_usage_blocks.sql"  # and any later ones
             await ship_lines(conn, [e.to_line() for e in events[500:]])
             for block_table, dims, expr in [
                 ("usage_key_blocks", "api_key_id, subject_id", "api_key_id, subject_id"),
