@@ -50,7 +50,7 @@ import asyncpg
 from actors.runtime import Actor, ActorRef, ActorStopped, MailboxFull
 from gateway.billing.budgets import fetch_spend
 from gateway.billing.gate import BudgetGate
-from gateway.billing.journal import Journal, Segment
+from gateway.billing.journal import Journal
 from gateway.billing.ledger import UsageEvent, fetch_ledger_id, ship_lines
 from gateway.billing.reservations import (
     PostgresReservations,
@@ -60,6 +60,7 @@ from gateway.billing.reservations import (
     output_cap,
     prompt_token_bound,
 )
+from gateway.billing.shipping import JournalShipper, fixed_batches
 from gateway.core.config import Price
 from gateway.core.usage import CallRecord
 
@@ -84,7 +85,6 @@ MAX_SHIP_BACKOFF = 2.0
 #: Unpriced model names remembered for metrics; a bound, since clients choose names.
 MAX_UNPRICED_MODELS = 1000
 #: A bad row (refused by the ledger) makes us ship its batch line by line, at most this big.
-_DATA_ERRORS = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
 
 
 # -- messages ----------------------------------------------------------------------------
@@ -168,7 +168,6 @@ class BillingActor(Actor[Flush | Spend | Settle]):
         super().__init__()
         self._pool = pool
         self._journal_root = journal_root
-        self._fsync_interval = fsync_interval
         self._ship_interval = ship_interval
         self._refresh_interval = refresh_interval
         self._max_batch = max_batch
@@ -186,17 +185,16 @@ class BillingActor(Actor[Flush | Spend | Settle]):
         )
         self._settling: set[asyncio.Task[None]] = set()
         self._budgeted_keys = 0
-        self._flush_waiters: list[asyncio.Future[bool]] = []
+        self._shipping = JournalShipper(
+            pool, ship_lines, batches=fixed_batches(max_batch), ship_timeout=ship_timeout,
+            fsync_interval=fsync_interval, log=log, name="billing", store="the ledger",
+        )
         self._wake_shipper = asyncio.Event()
         self._stopping = False
         self._committer: asyncio.Task[None] | None = None
         self._shipper: asyncio.Task[None] | None = None
         self._unpriced: set[str] = set()
         self.recorded = 0
-        self.shipped = 0
-        self.duplicates = 0
-        self.ship_failures = 0
-        self.ledger_reachable = True
         #: Spend refreshes from the ledger that failed, and since when they keep failing
         #: (monotonic; None while they succeed): budgets shared across replicas go stale.
         self.refresh_failures = 0
@@ -209,14 +207,15 @@ class BillingActor(Actor[Flush | Spend | Settle]):
         async with asyncio.timeout(self._ship_timeout * 2):
             ledger_id = await fetch_ledger_id(self._pool)
         self._journal = await loop.run_in_executor(None, Journal.open, self._journal_root / str(ledger_id))
+        self._shipping.journal = self._journal
         await self._refresh()  # budgets hold from the first request
-        self._committer = loop.create_task(self._commit_forever(), name="billing:commit")
+        self._committer = loop.create_task(self._shipping.commit_forever(), name="billing:commit")
         self._shipper = loop.create_task(self._ship_forever(), name="billing:ship")
 
     async def on_stop(self) -> None:
         """Drain: last fsync, last ship; whatever the ledger cannot take stays on disk."""
         journal = self.journal
-        self._stopping = True
+        self._stopping = self._shipping.stopping = True
         self._wake_shipper.set()
         journal.wake()
         # Asked to finish, never cancelled: a commit must not be cut while its thread writes.
@@ -232,7 +231,7 @@ class BillingActor(Actor[Flush | Spend | Settle]):
             log.error("billing journal: final commit failed: %s", exc)
         try:
             async with asyncio.timeout(self._drain_timeout):
-                shipped = await self._ship_cycle()
+                shipped = await self._shipping.ship_cycle()
         except TimeoutError:
             shipped = False
         if not shipped or journal.pending_events:
@@ -249,7 +248,7 @@ class BillingActor(Actor[Flush | Spend | Settle]):
             return None
         if isinstance(msg, Flush):
             fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            self._flush_waiters.append(fut)
+            self._shipping.flush_waiters.append(fut)
             self._wake_shipper.set()
             return fut  # deferred: answered after the next ship
         if isinstance(msg, Spend):
@@ -304,24 +303,6 @@ class BillingActor(Actor[Flush | Spend | Settle]):
                     return
                 await asyncio.sleep(0.2 * 2**attempt)
 
-    # -- group commit -------------------------------------------------------------------
-    async def _commit_forever(self) -> None:
-        journal = self.journal
-        while True:
-            await journal.wait_for_data()
-            try:
-                await journal.commit()
-            except OSError as exc:
-                log.error("billing journal: commit failed (%s); %d event(s) wait in memory", exc, journal.buffered)
-                await asyncio.sleep(0.5)
-            except Exception:  # a bug must not stop durability: the next round retries
-                log.exception("billing journal: commit error")
-                await asyncio.sleep(0.5)
-            if self._stopping:
-                return
-            # Group commit: whatever arrives meanwhile goes out with the next fsync.
-            await asyncio.sleep(self._fsync_interval)
-
     # -- shipping -----------------------------------------------------------------------
     async def _ship_forever(self) -> None:
         loop = asyncio.get_running_loop()
@@ -338,99 +319,17 @@ class BillingActor(Actor[Flush | Spend | Settle]):
                 return
             try:
                 if woken or loop.time() >= next_ship:
-                    ok = await self._ship_cycle()
+                    ok = await self._shipping.ship_cycle()
                     backoff = self._ship_interval if ok else min(max(backoff * 2, 0.1), MAX_SHIP_BACKOFF)
                     next_ship = loop.time() + (self._ship_interval if ok else backoff)
                 # Refresh only after a ship, never during one: the counters add the ledger's
                 # figure to what is not shipped yet, so the two must not overlap.
-                if loop.time() >= next_refresh and self.ledger_reachable:
+                if loop.time() >= next_refresh and self._shipping.reachable:
                     await self._refresh()
                     next_refresh = loop.time() + self._refresh_interval
             except Exception:
                 log.exception("billing: ship loop error")
                 await asyncio.sleep(backoff)
-
-    async def _ship_cycle(self) -> bool:
-        """Seal the active segment and ship every sealed one; answer the flushes waiting."""
-        waiters, self._flush_waiters = self._flush_waiters, []
-        ok = False
-        try:
-            ok = await self._ship_all()
-        finally:
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(ok)
-        return ok
-
-    async def _ship_all(self) -> bool:
-        journal = self.journal
-        sealed = True
-        try:
-            await journal.seal()
-        except OSError as exc:
-            log.error("billing journal: cannot seal the active segment: %s", exc)
-            sealed = False
-        for segment in journal.sealed():
-            if not await self._ship_segment(segment):
-                return False
-        return sealed
-
-    async def _ship_segment(self, segment: Segment) -> bool:
-        journal = self.journal
-        loop = asyncio.get_running_loop()
-        try:
-            lines = await loop.run_in_executor(None, Journal.read, segment)
-        except FileNotFoundError:
-            journal.discard(segment)
-            return True
-        for start in range(0, len(lines), self._max_batch):
-            batch = lines[start : start + self._max_batch]
-            try:
-                async with asyncio.timeout(self._ship_timeout):
-                    inserted = await ship_lines(self._pool, batch)
-            except _DATA_ERRORS as exc:
-                log.error("billing: the ledger refused a batch (%s); shipping it line by line", exc)
-                try:
-                    inserted = await self._ship_one_by_one(batch)
-                except Exception as exc2:  # noqa: BLE001 - any failure: the batch waits on disk
-                    self._unreachable(exc2)
-                    return False
-            except Exception as exc:  # noqa: BLE001 - any failure: the batch waits on disk
-                self._unreachable(exc)
-                return False
-            self.shipped += inserted
-            self.duplicates += len(batch) - inserted
-        journal.discard(segment)
-        self._reachable()
-        return True
-
-    async def _ship_one_by_one(self, batch: list[bytes]) -> int:
-        inserted = 0
-        refused: list[bytes] = []
-        for line in batch:
-            try:
-                async with asyncio.timeout(self._ship_timeout):
-                    inserted += await ship_lines(self._pool, [line])
-            except _DATA_ERRORS as exc:
-                log.error("billing: ledger refused an event (%s); kept in rejected.jsonl", exc)
-                refused.append(line)
-        if refused:
-            self.journal.reject(refused)
-        return inserted
-
-    def _unreachable(self, exc: BaseException) -> None:
-        self.ship_failures += 1
-        if self.ledger_reachable:
-            self.ledger_reachable = False
-            log.warning(
-                "billing: ledger unreachable (%s: %s); %d event(s) wait in %s",
-                type(exc).__name__, exc, self.journal.pending_events, self.journal.directory,
-            )
-
-    def _reachable(self) -> None:
-        if not self.ledger_reachable:
-            self.ledger_reachable = True
-            log.info("billing: ledger reachable again; shipping the journal")
 
     # -- spend counters -------------------------------------------------------------------
     async def _refresh(self) -> None:
@@ -469,12 +368,12 @@ class BillingActor(Actor[Flush | Spend | Settle]):
         journal = self._journal
         return BillingStats(
             recorded=self.recorded,
-            shipped=self.shipped,
-            duplicates=self.duplicates,
+            shipped=self._shipping.shipped,
+            duplicates=self._shipping.duplicates,
             pending=journal.pending_events if journal else 0,
             rejected=journal.rejected if journal else 0,
-            ship_failures=self.ship_failures,
-            ledger_reachable=self.ledger_reachable,
+            ship_failures=self._shipping.ship_failures,
+            ledger_reachable=self._shipping.reachable,
             unpriced_models=frozenset(self._unpriced),
             journal_dir=str(journal.directory) if journal else "",
         )

@@ -19,9 +19,9 @@ ship it and purge expired rows.
 * Retention: every ``purge_interval`` rows past their ``expires_at`` are deleted (every
   replica does it; deleting twice is harmless); :class:`Purge` does it now.
 
-Why the commit and ship loops are not shared with :mod:`actors.billing`: billing's
-interleave budget counters and spend refreshes with every ship; these are the plain
-loops, and the journal itself (the part that must be right) is the same class.
+The commit and the shipping are billing's too (:mod:`gateway.billing.shipping`); only the
+schedule is this actor's: billing interleaves spend refreshes with its ships, this one
+purges expired rows.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ import asyncpg
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from actors.runtime import Actor, ActorRef, ActorStopped, MailboxFull
-from gateway.billing.journal import Journal, Segment
+from gateway.billing.journal import Journal
 from gateway.billing.ledger import NIL_UUID, fetch_ledger_id
 from gateway.billing.request_log import CapturedCall, purge_expired, ship_lines, to_line
+from gateway.billing.shipping import JournalShipper
 
 __all__ = ["Flush", "Purge", "RequestLogActor", "RequestLogHandle", "Store"]
 
@@ -49,7 +50,6 @@ log = logging.getLogger("gateway.request_logs")
 #: Bounds of one INSERT: lines and bytes (a line holds up to two bodies).
 MAX_BATCH_LINES = 1000
 MAX_BATCH_BYTES = 8 * 1024 * 1024
-_DATA_ERRORS = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +98,6 @@ class RequestLogActor(Actor[Store | Flush | Purge]):
         super().__init__()
         self._pool = pool
         self._journal_root = journal_root
-        self._fsync_interval = fsync_interval
         self._ship_interval = ship_interval
         self._purge_interval = purge_interval
         self._ship_timeout = ship_timeout
@@ -106,14 +105,14 @@ class RequestLogActor(Actor[Store | Flush | Purge]):
         self._journal: Journal | None = None
         self._stopping = False
         self._wake_shipper = asyncio.Event()
-        self._flush_waiters: list[asyncio.Future[bool]] = []
+        self._shipping = JournalShipper(
+            pool, ship_lines, batches=batches, ship_timeout=ship_timeout, fsync_interval=fsync_interval,
+            log=log, name="request logs", store="PostgreSQL",
+        )
         self._tasks_running: list[asyncio.Task[None]] = []
         self.stored = 0
-        self.shipped = 0
-        self.duplicates = 0
         self.overflowed = 0
         self.purged = 0
-        self.reachable = True
 
     @property
     def journal(self) -> Journal:
@@ -127,15 +126,16 @@ class RequestLogActor(Actor[Store | Flush | Purge]):
         async with asyncio.timeout(self._ship_timeout * 2):
             ledger_id = await fetch_ledger_id(self._pool)
         self._journal = await loop.run_in_executor(None, Journal.open, self._journal_root / str(ledger_id))
+        self._shipping.journal = self._journal
         self._tasks_running = [
-            loop.create_task(self._commit_forever(), name="request_logs:commit"),
+            loop.create_task(self._shipping.commit_forever(), name="request_logs:commit"),
             loop.create_task(self._ship_forever(), name="request_logs:ship"),
         ]
 
     async def on_stop(self) -> None:
         """Drain: last fsync, last ship; what PostgreSQL cannot take stays on disk."""
         journal = self.journal
-        self._stopping = True
+        self._stopping = self._shipping.stopping = True
         self._wake_shipper.set()
         journal.wake()
         for task in self._tasks_running:  # asked to finish, never cancelled mid-write
@@ -147,7 +147,7 @@ class RequestLogActor(Actor[Store | Flush | Purge]):
             log.error("request-log journal: final commit failed: %s", exc)
         try:
             async with asyncio.timeout(self._drain_timeout):
-                await self._ship_cycle()
+                await self._shipping.ship_cycle()
         except TimeoutError:
             pass
         if journal.pending_events:
@@ -162,7 +162,7 @@ class RequestLogActor(Actor[Store | Flush | Purge]):
             return None
         if isinstance(msg, Flush):
             fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-            self._flush_waiters.append(fut)
+            self._shipping.flush_waiters.append(fut)
             self._wake_shipper.set()
             return fut
         if isinstance(msg, Purge):
@@ -176,19 +176,6 @@ class RequestLogActor(Actor[Store | Flush | Purge]):
         self.stored += 1
 
     # -- loops ----------------------------------------------------------------------------
-    async def _commit_forever(self) -> None:
-        journal = self.journal
-        while True:
-            await journal.wait_for_data()
-            try:
-                await journal.commit()
-            except Exception as exc:  # noqa: BLE001 - the lines stay buffered; retried
-                log.error("request-log journal: commit failed (%s); %d row(s) wait in memory", exc, journal.buffered)
-                await asyncio.sleep(0.5)
-            if self._stopping:
-                return
-            await asyncio.sleep(self._fsync_interval)
-
     async def _ship_forever(self) -> None:
         loop = asyncio.get_running_loop()
         next_purge = loop.time() + self._purge_interval
@@ -199,85 +186,13 @@ class RequestLogActor(Actor[Store | Flush | Purge]):
             if self._stopping:
                 return
             try:
-                await self._ship_cycle()
+                await self._shipping.ship_cycle()
                 if loop.time() >= next_purge:
                     next_purge = loop.time() + self._purge_interval
                     await self._purge()
             except Exception:
                 log.exception("request logs: ship loop error")
                 await asyncio.sleep(self._ship_interval)
-
-    async def _ship_cycle(self) -> bool:
-        waiters, self._flush_waiters = self._flush_waiters, []
-        ok = False
-        try:
-            ok = await self._ship_all()
-        finally:
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(ok)
-        return ok
-
-    async def _ship_all(self) -> bool:
-        journal = self.journal
-        try:
-            await journal.seal()
-        except OSError as exc:
-            log.error("request-log journal: cannot seal the active segment: %s", exc)
-            return False
-        for segment in journal.sealed():
-            if not await self._ship_segment(segment):
-                return False
-        return True
-
-    async def _ship_segment(self, segment: Segment) -> bool:
-        journal = self.journal
-        try:
-            lines = await asyncio.get_running_loop().run_in_executor(None, Journal.read, segment)
-        except FileNotFoundError:
-            journal.discard(segment)
-            return True
-        for batch in batches(lines):
-            try:
-                async with asyncio.timeout(self._ship_timeout):
-                    inserted = await ship_lines(self._pool, batch)
-            except _DATA_ERRORS as exc:
-                log.error("request logs: PostgreSQL refused a batch (%s); shipping it line by line", exc)
-                try:
-                    inserted = await self._ship_one_by_one(batch)
-                except Exception as exc2:  # noqa: BLE001 - the batch waits on disk
-                    self._unreachable(exc2)
-                    return False
-            except Exception as exc:  # noqa: BLE001 - the batch waits on disk
-                self._unreachable(exc)
-                return False
-            self.shipped += inserted
-            self.duplicates += len(batch) - inserted
-        journal.discard(segment)
-        if not self.reachable:
-            self.reachable = True
-            log.info("request logs: PostgreSQL reachable again; shipping the journal")
-        return True
-
-    async def _ship_one_by_one(self, batch: list[bytes]) -> int:
-        inserted = 0
-        refused: list[bytes] = []
-        for line in batch:
-            try:
-                async with asyncio.timeout(self._ship_timeout):
-                    inserted += await ship_lines(self._pool, [line])
-            except _DATA_ERRORS as exc:
-                log.error("request logs: a row was refused (%s); kept in rejected.jsonl", exc)
-                refused.append(line)
-        if refused:
-            self.journal.reject(refused)
-        return inserted
-
-    def _unreachable(self, exc: BaseException) -> None:
-        if self.reachable:
-            self.reachable = False
-            log.warning("request logs: PostgreSQL unreachable (%s: %s); %d row(s) wait in %s",
-                        type(exc).__name__, exc, self.journal.pending_events, self.journal.directory)
 
     async def _purge(self) -> int:
         try:
