@@ -438,21 +438,11 @@ class BillingHandle:
         embeddings) at the output price, on the dearest deployment the call may reach
         (fallbacks included).
         """
-        policy = key.policy
-        if not self._gate.applies(key.subject_id, policy.budget_usd):
+        if not self._gate.applies(key.subject_id, key.policy.budget_usd):
             return None
         cap = 0 if embeddings else output_cap(body, route.group.max_output_tokens)
         bound = prompt_token_bound(body.get("input") if embeddings else body)
-        return await self._gate.reserve(
-            call_id=record.call_id,
-            api_key_id=key.api_key_id,
-            key_budget=(policy.budget_usd, policy.budget_period or "total") if policy.budget_usd is not None else None,
-            subject_id=key.subject_id,
-            model=record.requested_model,
-            prices=_reachable_prices(route, router),
-            prompt_bound=bound,
-            output_cap=cap,
-        )
+        return await self._hold(key, record, _reachable_prices(route, router), bound, cap)
 
     async def reserve_passthrough(
         self, key: VerifiedKey, record: CallRecord, body: Any, price: Price | None,
@@ -463,18 +453,24 @@ class BillingHandle:
         ``max_tokens`` (or the default cap), at the price of the model the body names; a
         budgeted key calling an unpriced model is refused, as everywhere.
         """
-        policy = key.policy
-        if not self._gate.applies(key.subject_id, policy.budget_usd):
+        if not self._gate.applies(key.subject_id, key.policy.budget_usd):
             return None
+        cap = output_cap(body if isinstance(body, dict) else {}, None)
+        return await self._hold(key, record, [price], prompt_token_bound(body), cap)
+
+    async def _hold(
+        self, key: VerifiedKey, record: CallRecord, prices: list[Price | None], prompt_bound: int, cap: int,
+    ) -> Reservation | None:
+        policy = key.policy
         return await self._gate.reserve(
             call_id=record.call_id,
             api_key_id=key.api_key_id,
             key_budget=(policy.budget_usd, policy.budget_period or "total") if policy.budget_usd is not None else None,
             subject_id=key.subject_id,
             model=record.requested_model,
-            prices=[price],
-            prompt_bound=prompt_token_bound(body),
-            output_cap=output_cap(body if isinstance(body, dict) else {}, None),
+            prices=prices,
+            prompt_bound=prompt_bound,
+            output_cap=cap,
         )
 
     def settle(self, reservation: Reservation | None, call: CallRecord) -> None:
