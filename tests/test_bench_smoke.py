@@ -41,3 +41,13 @@ def test_quick_s1_runs_end_to_end_and_writes_both_reports(tmp_path: Path, pg_adm
     assert "| S1 | requests/s |" in markdown
     # All of it from one address under the default per-IP guard: no 429, and the report says so.
     assert "| S1 | 429 answers (one client address, default per-IP guard) |" in markdown
+
+
+def test_the_guardrail_stream_measure_redacts_what_it_times() -> None:
+    from bench.guardrail_stream import measure, stream_events
+
+    # The measure refuses to report figures when the split card number got through.
+    figures = measure(streams=3)
+    assert set(figures) == {"first_chunk_us", "per_chunk_us", "stream_us"}
+    assert 0 < figures["first_chunk_us"] < figures["stream_us"]
+    assert b"4111 1111 " in b"".join(stream_events())  # the stream does carry a card to catch
