@@ -358,6 +358,15 @@ class BreakerActor(Actor[Permit | Report | Reconfigure]):
         )
         return Permission(True, probe=True)
 
+    def applies_now(self, deployment: str) -> bool:
+        """Whether a success on ``deployment`` changes nothing but its health sample:
+        its circuit is closed with no failure counted (see :meth:`BreakerHandle.report`)."""
+        health = self._table.get(deployment)
+        if health is None or health.state is not CircuitState.CLOSED or health.failures:
+            return False
+        circuit = self._circuits.get(deployment)
+        return circuit is not None and circuit.breaker.fail_counter == 0
+
     def _report(self, msg: Report, now: float) -> None:
         health = self._table.get(msg.deployment, _CLOSED)
         circuit = self._circuit(msg.deployment)
@@ -497,9 +506,10 @@ class DeploymentStatus:
 class BreakerHandle:
     """What dispatch calls: snapshot reads on the hot path, an ask only for a probe."""
 
-    __slots__ = ("_ref", "_tokens", "_view", "dropped_reports")
+    __slots__ = ("_actor", "_ref", "_tokens", "_view", "dropped_reports")
 
     def __init__(self, actor: BreakerActor, ref: ActorRef[Any]) -> None:
+        self._actor = actor
         self._ref = ref
         self._view = actor.view
         self._tokens = itertools.count(1)
@@ -556,8 +566,18 @@ class BreakerHandle:
         ``will_retry``: a failed attempt the caller sends again to the same deployment,
         so the call counts once toward ``fail_max``, by its last attempt.
         """
+        report = Report(deployment, outcome, token, latency, ttft, retry_after, will_retry)
+        if outcome is Outcome.SUCCESS and token == 0 and self._actor.running and self._actor.applies_now(deployment):
+            # The common case, a success on a closed circuit with nothing counted against
+            # it, only folds a latency sample into the published entry: done here, in the
+            # caller's task, it saves the tell and the actor's wake-up (~6 µs per call).
+            # Asyncio runs one callback at a time and _report never awaits, so this is as
+            # atomic as the actor's own loop; anything that may change a circuit still
+            # goes through the mailbox, in order.
+            self._actor._report(report, time.monotonic())
+            return
         try:
-            self._ref.tell(Report(deployment, outcome, token, latency, ttft, retry_after, will_retry))
+            self._ref.tell(report)
         except ActorError:
             self.dropped_reports += 1
 
