@@ -63,6 +63,7 @@ from gateway.billing.reservations import (
 from gateway.billing.shipping import JournalShipper, fixed_batches
 from gateway.core.config import Price
 from gateway.core.usage import CallRecord
+from gateway.observability.logs import log_fields
 
 if TYPE_CHECKING:
     from actors.auth import VerifiedKey
@@ -405,7 +406,7 @@ def _log_billing(event: UsageEvent) -> None:
         "cost_source": event.cost_source,
         "status": event.status,
     }
-    log.info("billing", extra={"fields": payload})
+    log_fields(log, "billing", payload)
 
 
 class BillingHandle:

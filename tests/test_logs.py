@@ -20,7 +20,10 @@ from gateway.observability.logs import (
     LogSetup,
     Redactor,
     TextFormatter,
+    bind_request_id,
     configure_logging,
+    log_fields,
+    reset_request_id,
 )
 from tests.conftest import REPO, FakeUpstream, Gateway, auth, chat_body, config_for
 
@@ -158,6 +161,37 @@ def test_configure_logging_writes_json_lines_off_the_calling_thread() -> None:
     assert line["msg"] == "hello [REDACTED]" and line["n"] == 1 and line["logger"] == "gateway.test"
     with pytest.raises(ValueError):
         configure_logging("info", "xml")
+
+
+async def test_log_fields_writes_the_line_logger_info_would_and_stays_visible_to_other_handlers() -> None:
+    fields = {"status": 200, "key_id": "k-1", "cost_usd": 0.25, "note": "sk-abcdefghijklmnop"}
+    logger = logging.getLogger("gateway.test.fields")
+    with json_logs() as (out, _setup):
+        token = bind_request_id("req-fast")
+        try:
+            log_fields(logger, "access", fields)  # the hand-off alone: built and batched directly
+            logger.info("access", extra={"fields": fields})  # the standard path, for comparison
+            seen: list[logging.LogRecord] = []
+            other = logging.Handler()
+            other.emit = seen.append  # type: ignore[method-assign]
+            logger.addHandler(other)  # another handler attached: the standard path, so it sees the line
+            try:
+                log_fields(logger, "access", {"status": 201})
+            finally:
+                logger.removeHandler(other)
+            logger.setLevel(logging.WARNING)
+            try:
+                log_fields(logger, "access", {"status": 202})  # below the level: nothing
+            finally:
+                logger.setLevel(logging.NOTSET)
+        finally:
+            reset_request_id(token)
+    fast, standard, third = [orjson.loads(x) for x in out.getvalue().splitlines()]
+    assert fast["ts"][:16] == standard["ts"][:16]
+    del fast["ts"], standard["ts"]
+    assert fast == standard
+    assert fast["request_id"] == "req-fast" and fast["note"] == "sk-[REDACTED]" and fast["level"] == "info"
+    assert third["status"] == 201 and [r.fields for r in seen] == [{"status": 201}]  # type: ignore[attr-defined]
 
 
 async def test_served_process_logs_json_without_secrets(process_factory: Any, fake: FakeUpstream, api_key: str) -> None:

@@ -134,7 +134,7 @@ def _access_line(request: web.Request, route: str, status: int, elapsed: float) 
             failovers=record.failovers,
             error=record.error_type,
         )
-    access_log.info("access", extra={"fields": fields})
+    logs.log_fields(access_log, "access", fields)
 
 
 def key_known(request: web.Request, api_key_id: uuid.UUID) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "bind_request_id",
     "configure_logging",
     "current_request_id",
+    "log_fields",
     "reset_request_id",
 ]
 
@@ -225,6 +226,61 @@ class _HandOff(logging.handlers.QueueHandler):
             self.queue.put_nowait(batch)
 
 
+#: The hand-off :func:`configure_logging` installed (None: logging is someone else's).
+_installed: _HandOff | None = None
+#: The attributes ``logging`` itself puts on an INFO record made without a caller, thread
+#: or process (configure_logging switches those off); :func:`log_fields` sets the rest.
+_PLAIN_RECORD = {
+    **vars(logging.makeLogRecord({"levelno": logging.INFO, "levelname": "INFO", "args": None})),
+    "thread": None, "threadName": None, "processName": None, "process": None,
+}
+
+
+def log_fields(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> None:
+    """``logger.info(msg, extra={"fields": fields})``, cheap enough for lines logged per request.
+
+    When the record could only ever reach the hand-off :func:`configure_logging`
+    installed (the root's one handler; no handler, filter or disabling on the logger or
+    its parents), the record is built here and batched at once: the same record and
+    the same line, without the standard library's walk per call (``makeRecord``, the
+    logger's and handler's filters, the handler lock, ``prepare``), which cost the loop
+    ~7 µs of the ~9 µs of each access and billing line. Anything else attached (a test's
+    ``caplog``, an operator's own handler) gets the standard path, and sees every line.
+    """
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    handoff = _installed
+    if handoff is None or not _reaches_only(logger, handoff):
+        logger.info(msg, extra={"fields": fields})
+        return
+    record = logging.LogRecord.__new__(logging.LogRecord)
+    created = time.time()
+    record.__dict__.update(_PLAIN_RECORD)
+    record.name = logger.name
+    record.msg = msg
+    record.created = created
+    record.msecs = float(int(created * 1000) % 1000)
+    record.relativeCreated = (created - logging._startTime) * 1000  # type: ignore[attr-defined]
+    record.fields = fields
+    record.request_id = _REQUEST_ID.get()
+    handoff.enqueue(record)
+
+
+def _reaches_only(logger: logging.Logger, handoff: _HandOff) -> bool:
+    """Whether a record of ``logger`` would be handled by ``handoff`` alone, unfiltered."""
+    node: Any = logger
+    while node is not None:
+        if node.disabled or node.filters:
+            return False
+        if node.parent is None:  # the root
+            handlers = node.handlers
+            return len(handlers) == 1 and handlers[0] is handoff and not handoff.filters and handoff.level <= logging.INFO
+        if node.handlers or not node.propagate:
+            return False
+        node = node.parent
+    return False
+
+
 class _Writer(logging.handlers.QueueListener):
     """The writer thread: takes single records and batches of them."""
 
@@ -304,6 +360,8 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
         root.removeHandler(old)
     handoff = _HandOff(records)
     root.addHandler(handoff)
+    global _installed
+    _installed = handoff
     root.setLevel(getattr(logging, level.upper()))
     # Neither format shows where a call was made from, nor thread or process names: skip
     # computing them for every record (the logging HOWTO's "Optimization" switches).
