@@ -166,9 +166,11 @@ async def test_an_event_appended_while_a_segment_is_being_sealed_is_not_stranded
     sealed = await sealing
     journal._write_sync = real_write  # type: ignore[method-assign]
     assert sealed is not None and Journal.read(sealed) == [first] and sealed.lines == 1
+    assert await journal.lines_of(sealed) == [first]  # what ships is what the file holds
     assert await journal.commit() == 1  # the late event, in a segment of its own
     following = await journal.seal()
     assert following is not None and Journal.read(following) == [late] and following.lines == 1
+    assert await journal.lines_of(following) == [late]
     assert journal.unshipped_spend() == ({KEY: 750_000}, {SUBJECT: 750_000})
     journal.close()
 
@@ -199,7 +201,56 @@ async def test_a_failed_seal_keeps_every_event_for_the_next_try(tmp_path: Path) 
     assert journal.buffered == 2 and journal.pending_events == 2
     sealed = await journal.seal()
     assert sealed is not None and Journal.read(sealed) == [first, late] and sealed.lines == 2
+    assert await journal.lines_of(sealed) == [first, late]
     assert journal.unshipped_spend() == ({KEY: 750_000}, {SUBJECT: 750_000})
+    journal.close()
+
+
+async def test_segments_written_here_ship_from_memory_and_recovered_ones_from_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal = Journal.open(tmp_path)
+    written = [line(i) for i in range(4)]
+    for raw in written:
+        journal.append(raw, KEY, SUBJECT, 1)
+    sealed = await journal.seal()
+    assert sealed is not None
+
+    def no_read(segment: object) -> list[bytes]:
+        raise AssertionError("a segment this process wrote is shipped from memory, not read back")
+
+    monkeypatch.setattr(Journal, "read", staticmethod(no_read))
+    assert await journal.lines_of(sealed) == written
+    await journal.discard_soon(sealed)
+    assert not sealed.path.exists() and journal.pending_events == 0 and journal._kept_bytes == 0
+    monkeypatch.undo()
+    journal.append(line(9), KEY, SUBJECT, 1)
+    await journal.commit()
+    crash(journal)
+    reopened = Journal.open(tmp_path)  # a previous run's segment: only its file knows its lines
+    [left] = reopened.sealed()
+    assert left.kept is None and [orjson.loads(x)["n"] for x in await reopened.lines_of(left)] == [9]
+    reopened.close()
+
+
+async def test_lines_past_the_memory_bound_are_shipped_from_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import gateway.billing.journal as journal_module
+
+    lines = [line(i) for i in range(10)]
+    monkeypatch.setattr(journal_module, "MAX_KEPT_BYTES", len(lines[0]) * 6)
+    journal = Journal.open(tmp_path)
+    for raw in lines[:5]:
+        journal.append(raw, KEY, SUBJECT, 1)
+    first = await journal.seal()
+    for raw in lines[5:]:
+        journal.append(raw, KEY, SUBJECT, 1)  # past the bound: this segment keeps nothing
+    second = await journal.seal()
+    assert first is not None and second is not None
+    assert first.kept is not None and second.kept is None
+    assert await journal.lines_of(first) == lines[:5] and await journal.lines_of(second) == lines[5:]
+    await journal.discard_soon(first)
+    await journal.discard_soon(second)
+    assert journal._kept_bytes == 0 and journal.pending_events == 0
     journal.close()
 
 

@@ -47,6 +47,9 @@ __all__ = ["Journal", "JournalBusy", "Segment"]
 
 log = logging.getLogger("gateway.billing")
 
+#: Lines of unshipped segments kept in memory at most (beyond, they are read back from
+#: disk to be shipped): a long ledger outage must not grow the heap without bound.
+MAX_KEPT_BYTES = 16 * 1024 * 1024
 _SEGMENT_GLOB = "segment-*.jsonl"
 _LOCK_NAME = "lock"
 _REJECTED_NAME = "rejected.jsonl"
@@ -67,6 +70,10 @@ class Segment:
     #: Integer micro-USD (exact sums, see gateway/billing/reservations.py).
     key_spend: dict[uuid.UUID, int] = field(default_factory=dict)
     subject_spend: dict[uuid.UUID, int] = field(default_factory=dict)
+    #: The lines as this process wrote them, for shipping without reading the file back;
+    #: None for a segment found on disk, or once the journal's memory bound was reached.
+    kept: list[bytes] | None = None
+    kept_bytes: int = 0
 
     def add_spend(self, api_key_id: uuid.UUID, subject_id: uuid.UUID, cost_micro_usd: int) -> None:
         if cost_micro_usd > 0:
@@ -165,6 +172,8 @@ class Journal:
         self._has_data = asyncio.Event()
         self.commits = 0
         self.rejected = 0
+        #: Bytes of lines kept in memory across the active and sealed segments.
+        self._kept_bytes = 0
 
     # -- opening -----------------------------------------------------------------------
     @classmethod
@@ -248,14 +257,36 @@ class Journal:
         if self._lock_fd is None:
             self._append_after_close(line)
             return
-        if self._active is None:
-            self._active = Segment(self.directory / _segment_name(self._next_seq))
+        active = self._active
+        if active is None:
+            active = self._active = Segment(self.directory / _segment_name(self._next_seq), kept=[])
             self._next_seq += 1
-        self._active.lines += 1
-        self._active.add_spend(api_key_id, subject_id, cost_micro_usd)
-        if self._buffer or self._thread_writes or not self._write_through(self._active.path, line):
+        active.lines += 1
+        active.add_spend(api_key_id, subject_id, cost_micro_usd)
+        self._keep(active, line)
+        if self._buffer or self._thread_writes or not self._write_through(active.path, line):
             self._buffer.append(line)
         self._has_data.set()
+
+    def _keep(self, segment: Segment, line: bytes) -> None:
+        """Keep ``line`` with its segment for shipping, within :data:`MAX_KEPT_BYTES`.
+
+        Shipping a segment used to read it back in a worker thread and parse every line
+        again, holding the GIL (and so the event loop) for a few µs per line; the lines
+        are the ones written here, so the copy in memory is the file's content. Past the
+        bound the segment drops its copy and is read from disk like a recovered one.
+        """
+        kept = segment.kept
+        if kept is None:
+            return
+        size = len(line)
+        if self._kept_bytes + size > MAX_KEPT_BYTES:
+            self._kept_bytes -= segment.kept_bytes
+            segment.kept, segment.kept_bytes = None, 0
+            return
+        kept.append(line)
+        segment.kept_bytes += size
+        self._kept_bytes += size
 
     def _write_through(self, path: Path, line: bytes) -> bool:
         """Write ``line`` at the end of the active segment on the event loop's thread; False
@@ -415,6 +446,12 @@ class Journal:
         newer, self._active = self._active, segment
         if newer is not None:
             segment.lines += newer.lines
+            if segment.kept is not None and newer.kept is not None:
+                segment.kept += newer.kept
+                segment.kept_bytes += newer.kept_bytes
+            else:  # one of them was past the memory bound: the file is what ships
+                self._kept_bytes -= segment.kept_bytes + newer.kept_bytes
+                segment.kept, segment.kept_bytes = None, 0
             for k, v in newer.key_spend.items():
                 segment.key_spend[k] = segment.key_spend.get(k, 0) + v
             for s, v in newer.subject_spend.items():
@@ -430,10 +467,30 @@ class Journal:
         """A sealed segment's lines (blocking read: call it in a worker thread)."""
         return _scan(segment.path)[0]
 
+    async def lines_of(self, segment: Segment) -> list[bytes]:
+        """A sealed segment's lines: the ones kept in memory when this process wrote them,
+        else read from its file in a worker thread. Raises FileNotFoundError if it is gone."""
+        if segment.kept is not None:
+            return segment.kept
+        return await asyncio.get_running_loop().run_in_executor(None, Journal.read, segment)
+
     def discard(self, segment: Segment) -> None:
         """Forget a segment the ledger has committed in full (unlinks its file)."""
         with contextlib.suppress(FileNotFoundError):
             segment.path.unlink()
+        self._forget(segment)
+
+    async def discard_soon(self, segment: Segment) -> None:
+        """:meth:`discard`, with the unlink in a worker thread: a file system busy with a
+        journal commit can hold an unlink for milliseconds, which must not be the loop's."""
+        self._forget(segment)
+        with contextlib.suppress(FileNotFoundError):
+            await asyncio.get_running_loop().run_in_executor(None, segment.path.unlink)
+
+    def _forget(self, segment: Segment) -> None:
+        if segment.kept is not None:
+            self._kept_bytes -= segment.kept_bytes
+            segment.kept, segment.kept_bytes = None, 0
         with contextlib.suppress(ValueError):
             self._sealed.remove(segment)
 

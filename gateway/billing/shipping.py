@@ -122,7 +122,7 @@ class JournalShipper:
     async def _ship_segment(self, segment: Segment) -> bool:
         journal = self.journal
         try:
-            lines = await asyncio.get_running_loop().run_in_executor(None, Journal.read, segment)
+            lines = await journal.lines_of(segment)
         except FileNotFoundError:
             journal.discard(segment)
             return True
@@ -142,7 +142,7 @@ class JournalShipper:
                 return False
             self.shipped += inserted
             self.duplicates += len(batch) - inserted
-        journal.discard(segment)
+        await journal.discard_soon(segment)
         if not self.reachable:
             self.reachable = True
             self._log.info("%s: %s reachable again; shipping the journal", self._name, self._store)
