@@ -130,6 +130,7 @@ async def gateway_state(
         )
         billing_actor = BillingActor(
             pool, settings.journal_dir, ship_interval=settings.billing_ship_interval,
+            fsync_interval=settings.billing_fsync_interval,
             reservations=reservations, reservation_ttl=settings.budget_reservation_ttl,
         )
         billing = BillingHandle(billing_actor, await supervisor.start(billing_actor))
@@ -137,6 +138,7 @@ async def gateway_state(
         # are purged whatever the config says now.
         request_log_actor = RequestLogActor(
             pool, settings.journal_dir / "request-logs", ship_interval=settings.billing_ship_interval,
+            fsync_interval=settings.billing_fsync_interval,
         )
         request_logs = RequestLogHandle(request_log_actor, await supervisor.start(request_log_actor))
         if billing_actor.has_budgets and (unpriced := unpriced_deployments(config)):
