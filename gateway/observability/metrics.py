@@ -52,7 +52,7 @@ import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_PLAIN_0_0_4,
@@ -219,26 +219,28 @@ class _LoopHistogram:
             self._buckets[bucket].value += 1
 
 
-class _Children(Generic[_C]):
-    """Label children cached by their values: a dict hit instead of ``.labels()``.
+class _Children(dict[Any, _C]):
+    """Label children cached by their label values: ``children[route, status]``, or
+    ``children[route]`` for one label; values that are not strings (a status code) are
+    turned into text by ``.labels()``, as always.
 
-    ``.labels()`` costs ~4.5 µs (lock, validation); a cached child ~0.1 µs. The cache is
-    as bounded as the labels themselves. ``bind`` turns a new child into what the cache
-    holds: its :class:`_LoopValue` (counters, gauges) or a :class:`_LoopHistogram`.
+    ``.labels()`` costs ~4.5 µs (lock, validation); a hit here is a plain dict subscript
+    (~0.03 µs), and ``__missing__`` binds the child on the first use of its values. The
+    cache is as bounded as the labels themselves. ``bind`` turns a new child into what the
+    cache holds: its :class:`_LoopValue` (counters, gauges) or a :class:`_LoopHistogram`.
     """
 
-    __slots__ = ("_bind", "_cache", "_metric")
+    __slots__ = ("_bind", "_metric")
 
     def __init__(self, metric: Any, bind: Callable[[Any], _C]) -> None:
+        super().__init__()
         self._metric = metric
         self._bind = bind
-        self._cache: dict[tuple[str, ...], _C] = {}
 
-    def __call__(self, *values: str) -> _C:
-        child = self._cache.get(values)
-        if child is None:
-            child = self._cache[values] = self._bind(self._metric.labels(*values))
-        return child
+    def __missing__(self, values: Any) -> _C:
+        child = self._metric.labels(*values) if isinstance(values, tuple) else self._metric.labels(values)
+        self[values] = bound = self._bind(child)
+        return bound
 
 
 class _ActorView(Protocol):
@@ -447,21 +449,17 @@ class GatewayMetrics:
         self._retries = _Children(self.upstream_retries, _loop_value)
         self._rate_limited = _Children(self.rate_limited_requests, _loop_value)
         self._failovers = _Children(self.failovers, _loop_value)
-        self._status_text: dict[int, str] = {}
         self._rendering: asyncio.Future[bytes] | None = None
 
     # -- per request (edge middleware) ---------------------------------------------------
     def in_flight(self, route: str) -> _LoopValue:
         """The in-flight gauge value of ``route`` (inc on arrival, dec on answer)."""
-        return self._in_flight(route)
+        return self._in_flight[route]
 
     def request_done(self, route: str, status: int, seconds: float) -> None:
         """Count one answered request and its duration."""
-        text = self._status_text.get(status)
-        if text is None:
-            text = self._status_text[status] = str(status)
-        self._requests(route, text).inc()
-        self._durations(route).observe(seconds)
+        self._requests[route, status].inc()
+        self._durations[route].observe(seconds)
 
     def auth_failed(self, reason: str) -> None:
         """Count one 401; unknown reasons count as ``unknown``."""
@@ -495,7 +493,7 @@ class GatewayMetrics:
     # -- hooks for other actors ----------------------------------------------------------
     def rate_limited(self, scope: str) -> None:
         """Count one request refused by a limit (``scope``: ip, key, tokens, concurrency...)."""
-        self._rate_limited(self._small(scope)).inc()
+        self._rate_limited[self._small(scope)].inc()
 
     def unpriced(self, model: str) -> None:
         """Count one call recorded at zero cost because its model has no price."""
@@ -503,7 +501,7 @@ class GatewayMetrics:
 
     def retried(self, provider: str, reason: str) -> None:
         """Count one repeated upstream attempt."""
-        self._retries(provider, self._small(reason)).inc()
+        self._retries[provider, self._small(reason)].inc()
 
     def upstream_auth_failed(self, provider: str) -> None:
         """Count one provider answer refusing the gateway's credential."""
@@ -576,10 +574,10 @@ class GatewayMetrics:
         provider = record.provider or "none"
         served = self.model_label(record.served_model or record.requested_model)
         outcome = record.outcome if record.outcome in CALL_OUTCOMES else OVERFLOW_LABEL
-        self._upstream(provider, served, outcome).inc()
+        self._upstream[provider, served, outcome].inc()
         if record.upstream_started_at is not None:
             waited = now - record.upstream_started_at if record.stream else record.upstream_time
-            self._upstream_duration(provider, served).observe(waited)
+            self._upstream_duration[provider, served].observe(waited)
             if record.received_at is not None:
                 if record.stream:
                     overhead = record.upstream_started_at - record.received_at
@@ -587,23 +585,23 @@ class GatewayMetrics:
                     overhead = (now - record.received_at) - record.upstream_time
                 self._overhead[record.stream].observe(max(0.0, overhead))
         if record.ttft is not None:
-            self._ttft(provider, served).observe(record.ttft)
+            self._ttft[provider, served].observe(record.ttft)
             output = record.usage.completion_tokens
             if output > 1 and record.latency > record.ttft:
-                self._tpot(provider, served).observe((record.latency - record.ttft) / (output - 1))
+                self._tpot[provider, served].observe((record.latency - record.ttft) / (output - 1))
         usage = record.usage
         if usage.prompt_tokens or usage.completion_tokens:
-            self._tokens(requested, "input").inc(usage.prompt_tokens)
-            self._tokens(requested, "output").inc(usage.completion_tokens)
+            self._tokens[requested, "input"].inc(usage.prompt_tokens)
+            self._tokens[requested, "output"].inc(usage.completion_tokens)
             self._token_usage["input"].observe(usage.prompt_tokens)
             self._token_usage["output"].observe(usage.completion_tokens)
         cost = cost_of(record)
         if cost:
-            self._cost(requested).inc(cost)
+            self._cost[requested].inc(cost)
         elif record.cost_source == "unpriced":  # settled by gateway.billing.pricing before listeners
             self.unpriced(record.requested_model)
         if record.failovers:
-            self._failovers(requested).inc(record.failovers)
+            self._failovers[requested].inc(record.failovers)
 
     def _observe_hit(self, record: CallRecord) -> None:
         """A call answered from the response cache: no provider, no spend, no upstream time.
