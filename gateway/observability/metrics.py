@@ -36,6 +36,10 @@ A scrape renders the exposition in a worker thread (:meth:`GatewayMetrics.render
 rendering a few thousand lines takes tens of milliseconds that requests must not wait
 for. Actor state is read on the loop first, so the thread never touches it.
 
+Every update (the hooks above, the listener, the middleware's) runs on the event loop
+thread: the series updated per request hold lock-free values (:class:`_LoopValue`) that
+rely on that single writer; the scrape's thread only reads them.
+
 Why one module of ~550 lines: every metric is defined once, here, so a name, its labels and
 its help text have one home; splitting by area would scatter the one registry.
 """
@@ -45,9 +49,10 @@ from __future__ import annotations
 import asyncio
 import platform
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_PLAIN_0_0_4,
@@ -144,24 +149,98 @@ class BoundedLabel:
 _C = TypeVar("_C")
 
 
-class _Children(Generic[_C]):
-    """Label children cached by their values: a dict hit instead of ``.labels()``.
+class _LoopValue:
+    """One sample's value that only the event loop writes: a float without a lock.
 
-    ``.labels()`` costs ~4.5 µs (lock, validation); a cached child ~0.1 µs. The cache is
-    as bounded as the labels themselves.
+    It stands in for prometheus_client's ``MutexValue`` inside the children the hot path
+    updates (same ``inc``/``set``/``get`` interface, so the library's ``collect`` reads it
+    as before). Every update of those children runs on the loop thread, so the lock
+    guarded nothing, and it was most of the cost: a counter ``inc`` through the library
+    takes ~0.24 µs, a histogram ``observe`` ~0.57 µs (a lock per sum and bucket, checks,
+    a linear bucket search); here ~0.04 µs and ~0.1 µs. The scrape's worker thread only
+    reads, one float at a time, as it did through the lock.
     """
 
-    __slots__ = ("_cache", "_metric")
+    __slots__ = ("_exemplar", "value")
 
-    def __init__(self, metric: Any) -> None:
+    def __init__(self) -> None:
+        self.value = 0.0
+        self._exemplar: Any = None
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+    def dec(self, amount: float = 1) -> None:
+        self.value -= amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self.value = value
+
+    def get(self) -> float:
+        return self.value
+
+    def set_exemplar(self, exemplar: Any) -> None:
+        self._exemplar = exemplar
+
+    def get_exemplar(self) -> Any:
+        return self._exemplar
+
+
+def _loop_value(child: Any) -> _LoopValue:
+    """A counter or gauge child's value, made loop-owned (once: a child met again keeps it)."""
+    value = child._value
+    if not isinstance(value, _LoopValue):
+        value = child._value = _LoopValue()
+    return value
+
+
+class _LoopHistogram:
+    """A histogram child observed on the loop: its sum and buckets are :class:`_LoopValue`.
+
+    ``observe`` finds the bucket by bisection and adds directly, as the library's would
+    (the first bound >= the amount; NaN lands in the sum and no bucket).
+    """
+
+    __slots__ = ("_bounds", "_buckets", "_sum")
+
+    def __init__(self, child: Any) -> None:
+        self._bounds: list[float] = child._upper_bounds
+        if not isinstance(child._sum, _LoopValue):
+            child._sum = _LoopValue()
+            child._buckets = [_LoopValue() for _ in self._bounds]
+        self._sum: _LoopValue = child._sum
+        self._buckets: list[_LoopValue] = child._buckets
+
+    def observe(self, amount: float) -> None:
+        self._sum.value += amount
+        bounds = self._bounds
+        bucket = bisect_left(bounds, amount)
+        if amount <= bounds[bucket]:  # false only for NaN (the last bound is +Inf)
+            self._buckets[bucket].value += 1
+
+
+class _Children(dict[Any, _C]):
+    """Label children cached by their label values: ``children[route, status]``, or
+    ``children[route]`` for one label; values that are not strings (a status code) are
+    turned into text by ``.labels()``, as always.
+
+    ``.labels()`` costs ~4.5 µs (lock, validation); a hit here is a plain dict subscript
+    (~0.03 µs), and ``__missing__`` binds the child on the first use of its values. The
+    cache is as bounded as the labels themselves. ``bind`` turns a new child into what the
+    cache holds: its :class:`_LoopValue` (counters, gauges) or a :class:`_LoopHistogram`.
+    """
+
+    __slots__ = ("_bind", "_metric")
+
+    def __init__(self, metric: Any, bind: Callable[[Any], _C]) -> None:
+        super().__init__()
         self._metric = metric
-        self._cache: dict[tuple[str, ...], _C] = {}
+        self._bind = bind
 
-    def __call__(self, *values: str) -> _C:
-        child = self._cache.get(values)
-        if child is None:
-            child = self._cache[values] = self._metric.labels(*values)
-        return child
+    def __missing__(self, values: Any) -> _C:
+        child = self._metric.labels(*values) if isinstance(values, tuple) else self._metric.labels(values)
+        self[values] = bound = self._bind(child)
+        return bound
 
 
 class _ActorView(Protocol):
@@ -341,42 +420,46 @@ class GatewayMetrics:
         self.config_loaded_at = Gauge(
             "gateway_config_loaded_timestamp_seconds", "Unix time the active config was loaded.", registry=r,
         )
-        # Pre-bound children for the label sets known in advance: observing through a bound
-        # child costs ~1.8 µs, through .labels() ~4.5 µs.
-        self._overhead = {True: self.overhead.labels("true"), False: self.overhead.labels("false")}
-        self._auth_failures = {reason: self.auth_failures.labels(reason) for reason in AUTH_FAILURE_REASONS}
-        self._requests: _Children[Any] = _Children(self.requests)
-        self._durations: _Children[Any] = _Children(self.request_duration)
-        self._in_flight: _Children[Any] = _Children(self.requests_in_flight)
-        self._upstream: _Children[Any] = _Children(self.upstream_requests)
-        self._upstream_duration: _Children[Any] = _Children(self.upstream_duration)
-        self._ttft: _Children[Any] = _Children(self.time_to_first_token)
-        self._tpot: _Children[Any] = _Children(self.time_per_output_token)
-        self._tokens: _Children[Any] = _Children(self.tokens)
-        self._token_usage = {t: self.token_usage.labels(t) for t in ("input", "output")}
-        self._cache_hit_tokens = {t: self.cache_hit_tokens.labels(t) for t in ("input", "output")}
-        self._similarity = {
-            True: self.cache_similarity_seen.labels("hit"), False: self.cache_similarity_seen.labels("miss"),
+        # The children the hot path updates (every request, call, refusal or cache search,
+        # all on the event loop) hold loop-owned values, reached through caches: a bound
+        # update costs ~0.04 µs (counter, gauge) or ~0.1 µs (histogram), against ~0.24 and
+        # ~0.57 µs through the library and ~4.5 µs through .labels(). Label sets known in
+        # advance are bound here.
+        self._overhead = {
+            True: _LoopHistogram(self.overhead.labels("true")), False: _LoopHistogram(self.overhead.labels("false")),
         }
-        self._cost: _Children[Any] = _Children(self.cost)
-        self._retries: _Children[Any] = _Children(self.upstream_retries)
-        self._rate_limited: _Children[Any] = _Children(self.rate_limited_requests)
-        self._failovers: _Children[Any] = _Children(self.failovers)
-        self._status_text: dict[int, str] = {}
+        self._auth_failures = {
+            reason: _loop_value(self.auth_failures.labels(reason)) for reason in AUTH_FAILURE_REASONS
+        }
+        self._requests = _Children(self.requests, _loop_value)
+        self._durations = _Children(self.request_duration, _LoopHistogram)
+        self._in_flight = _Children(self.requests_in_flight, _loop_value)
+        self._upstream = _Children(self.upstream_requests, _loop_value)
+        self._upstream_duration = _Children(self.upstream_duration, _LoopHistogram)
+        self._ttft = _Children(self.time_to_first_token, _LoopHistogram)
+        self._tpot = _Children(self.time_per_output_token, _LoopHistogram)
+        self._tokens = _Children(self.tokens, _loop_value)
+        self._token_usage = {t: _LoopHistogram(self.token_usage.labels(t)) for t in ("input", "output")}
+        self._cache_hit_tokens = {t: _loop_value(self.cache_hit_tokens.labels(t)) for t in ("input", "output")}
+        self._similarity = {
+            True: _LoopHistogram(self.cache_similarity_seen.labels("hit")),
+            False: _LoopHistogram(self.cache_similarity_seen.labels("miss")),
+        }
+        self._cost = _Children(self.cost, _loop_value)
+        self._retries = _Children(self.upstream_retries, _loop_value)
+        self._rate_limited = _Children(self.rate_limited_requests, _loop_value)
+        self._failovers = _Children(self.failovers, _loop_value)
         self._rendering: asyncio.Future[bytes] | None = None
 
     # -- per request (edge middleware) ---------------------------------------------------
-    def in_flight(self, route: str) -> Any:
-        """The in-flight gauge child of ``route`` (inc on arrival, dec on answer)."""
-        return self._in_flight(route)
+    def in_flight(self, route: str) -> _LoopValue:
+        """The in-flight gauge value of ``route`` (inc on arrival, dec on answer)."""
+        return self._in_flight[route]
 
     def request_done(self, route: str, status: int, seconds: float) -> None:
         """Count one answered request and its duration."""
-        text = self._status_text.get(status)
-        if text is None:
-            text = self._status_text[status] = str(status)
-        self._requests(route, text).inc()
-        self._durations(route).observe(seconds)
+        self._requests[route, status].inc()
+        self._durations[route].observe(seconds)
 
     def auth_failed(self, reason: str) -> None:
         """Count one 401; unknown reasons count as ``unknown``."""
@@ -410,7 +493,7 @@ class GatewayMetrics:
     # -- hooks for other actors ----------------------------------------------------------
     def rate_limited(self, scope: str) -> None:
         """Count one request refused by a limit (``scope``: ip, key, tokens, concurrency...)."""
-        self._rate_limited(self._small(scope)).inc()
+        self._rate_limited[self._small(scope)].inc()
 
     def unpriced(self, model: str) -> None:
         """Count one call recorded at zero cost because its model has no price."""
@@ -418,7 +501,7 @@ class GatewayMetrics:
 
     def retried(self, provider: str, reason: str) -> None:
         """Count one repeated upstream attempt."""
-        self._retries(provider, self._small(reason)).inc()
+        self._retries[provider, self._small(reason)].inc()
 
     def upstream_auth_failed(self, provider: str) -> None:
         """Count one provider answer refusing the gateway's credential."""
@@ -491,10 +574,10 @@ class GatewayMetrics:
         provider = record.provider or "none"
         served = self.model_label(record.served_model or record.requested_model)
         outcome = record.outcome if record.outcome in CALL_OUTCOMES else OVERFLOW_LABEL
-        self._upstream(provider, served, outcome).inc()
+        self._upstream[provider, served, outcome].inc()
         if record.upstream_started_at is not None:
             waited = now - record.upstream_started_at if record.stream else record.upstream_time
-            self._upstream_duration(provider, served).observe(waited)
+            self._upstream_duration[provider, served].observe(waited)
             if record.received_at is not None:
                 if record.stream:
                     overhead = record.upstream_started_at - record.received_at
@@ -502,23 +585,23 @@ class GatewayMetrics:
                     overhead = (now - record.received_at) - record.upstream_time
                 self._overhead[record.stream].observe(max(0.0, overhead))
         if record.ttft is not None:
-            self._ttft(provider, served).observe(record.ttft)
+            self._ttft[provider, served].observe(record.ttft)
             output = record.usage.completion_tokens
             if output > 1 and record.latency > record.ttft:
-                self._tpot(provider, served).observe((record.latency - record.ttft) / (output - 1))
+                self._tpot[provider, served].observe((record.latency - record.ttft) / (output - 1))
         usage = record.usage
         if usage.prompt_tokens or usage.completion_tokens:
-            self._tokens(requested, "input").inc(usage.prompt_tokens)
-            self._tokens(requested, "output").inc(usage.completion_tokens)
+            self._tokens[requested, "input"].inc(usage.prompt_tokens)
+            self._tokens[requested, "output"].inc(usage.completion_tokens)
             self._token_usage["input"].observe(usage.prompt_tokens)
             self._token_usage["output"].observe(usage.completion_tokens)
         cost = cost_of(record)
         if cost:
-            self._cost(requested).inc(cost)
+            self._cost[requested].inc(cost)
         elif record.cost_source == "unpriced":  # settled by gateway.billing.pricing before listeners
             self.unpriced(record.requested_model)
         if record.failovers:
-            self._failovers(requested).inc(record.failovers)
+            self._failovers[requested].inc(record.failovers)
 
     def _observe_hit(self, record: CallRecord) -> None:
         """A call answered from the response cache: no provider, no spend, no upstream time.
