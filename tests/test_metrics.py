@@ -203,6 +203,28 @@ def _record(model: str, **extra: Any) -> CallRecord:
                       served_model=model, provider="p", usage=Usage(1, 1), **extra)
 
 
+def test_durations_on_bucket_bounds_and_odd_values_land_as_the_library_puts_them() -> None:
+    """The per-request series hold loop-owned values: their buckets and sums must be the
+    library's own (a value on a bound is in that bucket; NaN goes into the sum and no bucket,
+    so not into the count either)."""
+    metrics = GatewayMetrics(process_metrics=False)
+    for seconds in (0.001, 0.0025, 0.0025, 1e9, float("nan")):
+        metrics.request_done("/v1/chat/completions", 200, seconds)
+    metrics.request_done("/v1/chat/completions", 429, 0.004)
+    samples = parse(metrics.render_now().decode())
+    bucket = "gateway_request_duration_seconds_bucket"
+    route = "/v1/chat/completions"
+    assert value(samples, bucket, route=route, le="0.001") == 1
+    assert value(samples, bucket, route=route, le="0.0025") == 3
+    assert value(samples, bucket, route=route, le="0.005") == 4
+    assert value(samples, bucket, route=route, le="327.68") == 4
+    assert value(samples, bucket, route=route, le="+Inf") == 5
+    assert value(samples, "gateway_request_duration_seconds_count", route=route) == 5
+    assert str(value(samples, "gateway_request_duration_seconds_sum", route=route)) == "nan"
+    assert value(samples, "gateway_requests_total", route=route, status="200") == 5
+    assert value(samples, "gateway_requests_total", route=route, status="429") == 1
+
+
 def test_model_labels_are_bounded() -> None:
     metrics = GatewayMetrics(process_metrics=False)
     for i in range(MAX_MODEL_LABELS + 50):
