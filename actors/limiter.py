@@ -870,34 +870,34 @@ def _key_decision(
 ) -> Decision:
     """A key's answer: its ``x-ratelimit-*`` headers and, when refused, why and when to retry."""
     reset_requests = rstats.reset_time - now
-    headers = [
+    headers: tuple[tuple[str, str], ...] = (
         ("x-ratelimit-limit-requests", str(msg.requests)),
         ("x-ratelimit-remaining-requests", str(max(0, rstats.remaining - (1 if scope is None else 0)))),
         # An untouched window starts with this request and resets a whole window later.
         ("x-ratelimit-reset-requests", reset_header(reset_requests if reset_requests > 0 else msg.window_seconds)),
-    ]
+    )
     if tstats is not None:
-        headers += [
+        headers += (
             ("x-ratelimit-limit-tokens", str(msg.tokens_per_minute)),
             ("x-ratelimit-remaining-tokens", str(max(0, tstats.remaining))),
             ("x-ratelimit-reset-tokens", reset_header(tstats.reset_time - now)),
-        ]
+        )
     if scope is None:
-        return Decision(allowed=True, headers=tuple(headers), holds_slot=holds_slot)
+        return Decision(allowed=True, headers=headers, holds_slot=holds_slot)
     if scope == "requests":
         return Decision(
             False, scope, rstats.reset_time - now,
-            f"rate limit reached for requests: {msg.requests} per {msg.window_seconds}s", tuple(headers),
+            f"rate limit reached for requests: {msg.requests} per {msg.window_seconds}s", headers,
         )
     if scope == "tokens":
         assert tstats is not None
         return Decision(
             False, scope, tstats.reset_time - now,
-            f"rate limit reached for tokens: {msg.tokens_per_minute} per minute", tuple(headers),
+            f"rate limit reached for tokens: {msg.tokens_per_minute} per minute", headers,
         )
     return Decision(
         False, scope, 1.0,
-        f"too many concurrent requests: at most {msg.max_concurrent} at a time", tuple(headers),
+        f"too many concurrent requests: at most {msg.max_concurrent} at a time", headers,
     )
 
 

@@ -183,8 +183,12 @@ class LocalStorage(MemoryStorage):
 
     def sliding_window_now(self, key: str, expiry: int, now: float) -> tuple[int, float, int, float]:
         """``get_sliding_window``: (previous count, its ttl, current count, its ttl)."""
+        return self._sliding_window_at(key, f"{key}/{int(now / expiry)}", expiry, now)
+
+    def _sliding_window_at(self, key: str, current_key: str, expiry: int, now: float) -> tuple[int, float, int, float]:
+        """:meth:`sliding_window_now`, the current counter's key (``{key}/{window}``) given."""
         previous_count = self.get_now(f"{key}/{int((now - expiry) / expiry)}", now)
-        current_count = self.get_now(f"{key}/{int(now / expiry)}", now)
+        current_count = self.get_now(current_key, now)
         previous_ttl = 0.0 if previous_count == 0 else (1 - (((now - expiry) / expiry) % 1)) * expiry
         current_ttl = (1 - ((now / expiry) % 1)) * expiry + expiry
         return previous_count, previous_ttl, current_count, current_ttl
@@ -200,11 +204,12 @@ class LocalStorage(MemoryStorage):
         """
         if amount > limit:
             return False
-        previous_count, previous_ttl, current_count, _ = window or self.sliding_window_now(key, expiry, now)
+        current_key = f"{key}/{int(now / expiry)}"
+        previous_count, previous_ttl, current_count, _ = window or self._sliding_window_at(key, current_key, expiry, now)
         if math.floor(previous_count * previous_ttl / expiry + current_count) + amount > limit:
             return False
         # As the library: a new current counter lives two windows (it is next window's previous).
-        self.incr_now(f"{key}/{int(now / expiry)}", 2 * expiry, amount, now, current=current_count)
+        self.incr_now(current_key, 2 * expiry, amount, now, current=current_count)
         return True
 
     # Replaces the library's sweep (same effect, no thread hop, no lock held while waiting).
@@ -647,15 +652,12 @@ class Windows:
         return list(await asyncio.gather(*ops))
 
     # -- this process's memory, without coroutines (``immediate`` windows only) ----------
-    def _memory(self) -> LocalStorage:
-        local = self._local
-        if local is None:
-            raise TypeError(f"{self.name} windows are not this process's memory: use hit/stats/add")
-        return local
-
+    # Called on other storages they fail at once (``None`` has no such counters); the
+    # limiter only calls them where ``immediate`` holds.
     def hit_now(self, item: RateLimitItem, *ids: str, cost: int = 1, now: float) -> bool:
         """:meth:`hit`, at ``now`` (``time.time()``)."""
-        local = self._memory()
+        local = self._local
+        assert local is not None, "memory windows only"
         key = item.key_for(*ids)
         if not self._fixed:
             return local.acquire_sliding_now(key, item.amount, item.get_expiry(), cost, now)
@@ -663,7 +665,8 @@ class Windows:
 
     def stats_now(self, item: RateLimitItem, *ids: str, now: float) -> WindowStats:
         """:meth:`stats`, at ``now``."""
-        local = self._memory()
+        local = self._local
+        assert local is not None, "memory windows only"
         key = item.key_for(*ids)
         if self._fixed:
             return self._fixed_stats(local, item, key, now, local.get_now(key, now))
@@ -676,7 +679,8 @@ class Windows:
 
         Nothing runs in between (no await), so the hit would read what the stats read.
         """
-        local = self._memory()
+        local = self._local
+        assert local is not None, "memory windows only"
         key = item.key_for(*ids)
         if self._fixed:
             count = local.get_now(key, now)
@@ -689,7 +693,8 @@ class Windows:
 
     def add_now(self, item: RateLimitItem, *ids: str, amount: int, now: float) -> None:
         """:meth:`add`, at ``now``."""
-        local = self._memory()
+        local = self._local
+        assert local is not None, "memory windows only"
         key = item.key_for(*ids)
         if self._fixed:
             local.incr_now(key, item.get_expiry(), amount, now)
