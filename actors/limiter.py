@@ -18,7 +18,8 @@ The edge asks twice per request: :meth:`LimiterHandle.check_ip` before authentic
 A rejected request consumes nothing: hits the library counted anyway are refunded, a
 concurrency slot taken alongside a rejected hit is given back.
 
-Memory decisions are made inside the actor's loop with no I/O (microseconds). Remote
+Memory decisions are plain function calls with no I/O (microseconds), made in the
+asking request's task (:meth:`LimiterActor.decide_now`) or the actor's loop. Remote
 ones run as tasks; their storage commands of one event-loop turn share one Redis
 pipeline, and each result comes back on the internal lane, where state changes.
 

@@ -14,7 +14,8 @@ this module gives them three storages and one small wrapper:
   writes nothing.
 * :class:`Windows`: a strategy over a storage, with the operations the limiter needs:
   ``hit`` (never consuming on rejection), ``stats``, and ``add`` (an unconditional
-  charge or refund, for token usage known only after the call).
+  charge or refund, for token usage known only after the call); on memory also as
+  plain calls (``hit_now``, ``stats_now``, ``stats_and_hit_now``, ``add_now``).
 
 Library internals: :class:`LocalStorage` overrides two name-mangled private methods of
 ``limits``' ``MemoryStorage`` and :func:`_without_error_wrappers` unwraps its per-class
@@ -125,8 +126,9 @@ class LocalStorage(MemoryStorage):
     event-loop turn. This subclass sweeps at most once per ``SWEEP_SECONDS``; reads
     already ignore expired entries, so only memory use depends on the sweep.
 
-    Every operation also completes without suspending (the limiter decides memory
-    windows in the caller's task and relies on it): uncontended locks never wait, and
+    The limiter decides memory windows with the synchronous ``*_now`` twins below. The
+    library's own coroutines (tests, ``clear``, ``reset``) never suspend mid-operation
+    either, so no decision sees half of one: uncontended locks never wait, and
     this sweep holds no lock across an ``await``, unlike the library's, which bisects
     moving-window event lists in a thread while holding the key's lock.
     """
