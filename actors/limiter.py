@@ -18,7 +18,8 @@ The edge asks twice per request: :meth:`LimiterHandle.check_ip` before authentic
 A rejected request consumes nothing: hits the library counted anyway are refunded, a
 concurrency slot taken alongside a rejected hit is given back.
 
-Memory decisions are made inside the actor's loop with no I/O (microseconds). Remote
+Memory decisions are plain function calls with no I/O (microseconds), made in the
+asking request's task (:meth:`LimiterActor.decide_now`) or the actor's loop. Remote
 ones run as tasks; their storage commands of one event-loop turn share one Redis
 pipeline, and each result comes back on the internal lane, where state changes.
 
@@ -39,7 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 from limits import RateLimitItem, parse
@@ -57,6 +58,8 @@ from gateway.limits.storage import (
 )
 
 if TYPE_CHECKING:
+    from limits.util import WindowStats
+
     from actors.auth import VerifiedKey
     from gateway.core.usage import CallRecord
 
@@ -74,8 +77,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("gateway.limiter")
-
-R = TypeVar("R")
 
 SCOPES = ("ip", "requests", "tokens", "concurrency")
 
@@ -346,12 +347,11 @@ class LimiterActor(Actor[CheckIp | Acquire]):
     def decide_now(self, msg: CheckIp | Acquire) -> Decision | None:
         """Decide ``msg`` in the caller's task when every window it touches is in memory.
 
-        Memory decisions do no I/O and never suspend (see :class:`LocalStorage`), and
-        asyncio runs one callback at a time, so deciding here is as atomic as deciding
-        in the actor's loop, which itself awaits these same operations without
-        yielding; it saves the two hops of an ask. Returns None when the decision needs
-        a remote storage (or the actor is not running): the caller asks instead, and
-        the actor keeps owning every remote decision.
+        Memory decisions do no I/O and are plain function calls (the ``*_now`` methods),
+        and asyncio runs one callback at a time, so deciding here is as atomic as deciding
+        in the actor's loop, which makes these same calls; it saves the two hops of an
+        ask. Returns None when the decision needs a remote storage (or the actor is not
+        running): the caller asks instead, and the actor keeps owning every remote decision.
         """
         shared, requests = self._shared, self._requests
         if shared is None or requests is None or not self.running:
@@ -360,13 +360,13 @@ class LimiterActor(Actor[CheckIp | Acquire]):
             windows = shared.current()
             if not windows.immediate:
                 return None
-            return self._settle_ip(_run_now(self._decide_ip(windows, msg)))
+            return self._settle_ip(self._decide_ip_now(windows, msg))
         requests_windows, shared_windows = requests.current(), shared.current()
         if not (requests_windows.immediate and shared_windows.immediate):
             return None
         local_slot = self._reserve_local_slot(msg)
-        outcome = _run_now(self._decide_key(requests_windows, shared_windows, msg, local_slot))
-        return self._settle_key(msg, outcome, local_slot)
+        decision = self._decide_key_now(requests_windows, shared_windows, msg, local_slot)
+        return self._settle_key(msg, decision, local_slot)
 
     def release_now(self, msg: Release) -> bool:
         """Apply a release in the caller's task when it touches memory only; False: post it.
@@ -384,7 +384,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
             return False
         self._free_slot(msg.permit_id)
         if charge:
-            _run_now(self._charge(msg))
+            self._charge(msg)
         return True
 
     async def receive(self, msg: CheckIp | Acquire) -> Any:
@@ -392,14 +392,13 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         if isinstance(msg, CheckIp):
             windows = self._shared.current()
             if windows.immediate:
-                return self._settle_ip(await self._decide_ip(windows, msg))
+                return self._settle_ip(self._decide_ip_now(windows, msg))
             return self._remote(self._decide_ip(windows, msg), msg, None)
         if isinstance(msg, Acquire):
             local_slot = self._reserve_local_slot(msg)
             requests, shared = self._requests.current(), self._shared.current()
             if requests.immediate and shared.immediate:
-                outcome = await self._decide_key(requests, shared, msg, local_slot)
-                return self._settle_key(msg, outcome, local_slot)
+                return self._settle_key(msg, self._decide_key_now(requests, shared, msg, local_slot), local_slot)
             return self._remote(self._decide_key(requests, shared, msg, local_slot), msg, local_slot)
         raise TypeError(f"unexpected message {msg!r}")
 
@@ -411,7 +410,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         elif isinstance(msg, _Charged):
             if isinstance(msg.error, StorageDown):
                 self._degrade_named(msg.error)
-                await self._charge(msg.msg)  # on memory now
+                self._charge(msg.msg)  # on memory now
         elif isinstance(msg, _Recovered):
             self._recover(msg.store)
         elif isinstance(msg, _Renewed):
@@ -455,7 +454,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
             if isinstance(done.msg, CheckIp):
                 decision = self._settle_ip(done.outcome.decision)
             else:
-                decision = self._settle_key(done.msg, done.outcome, done.local_slot)
+                decision = self._settle_key(done.msg, done.outcome.decision, done.local_slot, done.outcome.redis_slot)
             if not done.reply.done():
                 done.reply.set_result(decision)
             return
@@ -471,7 +470,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         if isinstance(msg, CheckIp):
             windows = self._shared.current()
             if windows.immediate:
-                decision = self._settle_ip(await self._decide_ip(windows, msg))
+                decision = self._settle_ip(self._decide_ip_now(windows, msg))
                 if not done.reply.done():
                     done.reply.set_result(decision)
                 return
@@ -482,8 +481,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
             local_slot = done.local_slot if done.local_slot is not None else self._reserve_local_slot(msg)
             requests, shared = self._requests.current(), self._shared.current()
             if requests.immediate and shared.immediate:
-                outcome = await self._decide_key(requests, shared, msg, local_slot)
-                decision = self._settle_key(msg, outcome, local_slot)
+                decision = self._settle_key(msg, self._decide_key_now(requests, shared, msg, local_slot), local_slot)
                 if not done.reply.done():
                     done.reply.set_result(decision)
                 return
@@ -491,6 +489,11 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         retry.add_done_callback(lambda f: _copy_outcome(f, done.reply))
 
     # -- per-IP ---------------------------------------------------------------------------
+    # Two homes for the same operations: the coroutines for remote storages (their ops of
+    # one request share a pipeline), and a synchronous twin for memory, which a request
+    # decides in its own task: coroutines there cost more than the dict work they wrap.
+    # Both hit, read and refund the same windows in the same order; what the answer says
+    # is built by the same functions (_ip_refusal, _failures_spent).
     async def _decide_ip(self, windows: Windows, msg: CheckIp) -> Decision:
         if msg.kind == "failed":
             failures = self._ip_items
@@ -498,7 +501,11 @@ class LimiterActor(Actor[CheckIp | Acquire]):
                 await _together(windows, *(windows.add(item, "ipfail", msg.ip, amount=1) for item in failures))
             return _ALLOWED
         if msg.kind == "peek":
-            return await self._peek_failures(windows, msg.ip)
+            items = self._ip_items
+            if not items:
+                return _ALLOWED
+            stats = await _together(windows, *(windows.stats(item, "ipfail", msg.ip) for item in items))
+            return _failures_spent(stats, time.time())
         ids = ("ip", msg.ip)
         items = self._ip_all_items
         if not items:
@@ -509,25 +516,27 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         rejected = [item for item, ok in zip(items, oks, strict=True) if not ok]
         refunds = [windows.add(item, *ids, amount=-1) for item, ok in zip(items, oks, strict=True) if ok]
         results = await _together(windows, *(windows.stats(item, *ids) for item in rejected), *refunds)
-        reset_at = max(stats.reset_time for stats in results[: len(rejected)])
-        return Decision(
-            allowed=False, scope="ip", retry_after=reset_at - time.time(),
-            message="too many requests from this address",
-        )
+        return _ip_refusal(results[: len(rejected)], time.time())
 
-    async def _peek_failures(self, windows: Windows, ip: str) -> Decision:
-        """Refused while ``ip``'s allowance of failed attempts is spent (nothing counted)."""
-        items = self._ip_items
-        if not items:
+    def _decide_ip_now(self, windows: Windows, msg: CheckIp) -> Decision:
+        """:meth:`_decide_ip` on memory windows, at one reading of the clock."""
+        now = time.time()
+        ip = msg.ip
+        if msg.kind == "failed":
+            for item in self._ip_items:
+                windows.add_now(item, "ipfail", ip, amount=1, now=now)
             return _ALLOWED
-        stats = await _together(windows, *(windows.stats(item, "ipfail", ip) for item in items))
-        spent = [s for s in stats if s.remaining <= 0]
-        if not spent:
+        if msg.kind == "peek":
+            return _failures_spent([windows.stats_now(item, "ipfail", ip, now=now) for item in self._ip_items], now)
+        items = self._ip_all_items
+        oks = [windows.hit_now(item, "ip", ip, now=now) for item in items]
+        if all(oks):
             return _ALLOWED
-        return Decision(
-            allowed=False, scope="ip", retry_after=max(s.reset_time for s in spent) - time.time(),
-            message="too many failed or unauthenticated requests from this address",
-        )
+        rejected = [windows.stats_now(item, "ip", ip, now=now) for item, ok in zip(items, oks, strict=True) if not ok]
+        for item, ok in zip(items, oks, strict=True):
+            if ok:
+                windows.add_now(item, "ip", ip, amount=-1, now=now)
+        return _ip_refusal(rejected, now)
 
     def _settle_ip(self, decision: Decision) -> Decision:
         if not decision.allowed:
@@ -565,6 +574,8 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         else:
             self._inflight.pop(api_key_id, None)
 
+    # The same two homes as the per-IP guard's: _decide_key (remote storages, one batch)
+    # and _decide_key_now (memory); _refused_scope and _key_decision say what either found.
     async def _decide_key(
         self, requests: Windows, shared: Windows, msg: Acquire, local_slot: bool | None
     ) -> _Outcome:
@@ -606,56 +617,41 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         slot_ok = bool(shared_results[-1]) if slots is not None and not full else None
 
         now = time.time()
-        if full or slot_ok is False:
-            scope: str | None = "concurrency" if hit_ok or full else "requests"
-        elif not hit_ok:
-            scope = "requests"
-        elif tstats is not None and tstats.remaining < 1:
-            scope = "tokens"
-        else:
-            scope = None
+        scope = _refused_scope(full, hit_ok, slot_ok, tstats)
         if scope is not None:
             # A rejected request consumes nothing: give back what was taken alongside.
             if hit_ok:
                 await _quietly(requests.add(rpm, *rid, amount=-1))
             if slot_ok and slots is not None:
                 await _quietly(slots.slot_release(f"conc/{msg.api_key_id}", msg.permit_id))
-        reset_requests = rstats.reset_time - now
-        headers = [
-            ("x-ratelimit-limit-requests", str(msg.requests)),
-            ("x-ratelimit-remaining-requests", str(max(0, rstats.remaining - (1 if scope is None else 0)))),
-            # An untouched window starts with this request and resets a whole window later.
-            ("x-ratelimit-reset-requests", reset_header(reset_requests if reset_requests > 0 else msg.window_seconds)),
-        ]
-        if tstats is not None:
-            headers += [
-                ("x-ratelimit-limit-tokens", str(msg.tokens_per_minute)),
-                ("x-ratelimit-remaining-tokens", str(max(0, tstats.remaining))),
-                ("x-ratelimit-reset-tokens", reset_header(tstats.reset_time - now)),
-            ]
-        if scope is None:
-            decision = Decision(allowed=True, headers=tuple(headers), holds_slot=bool(slot_ok or local_slot))
-        elif scope == "requests":
-            decision = Decision(
-                False, scope, rstats.reset_time - now,
-                f"rate limit reached for requests: {msg.requests} per {msg.window_seconds}s", tuple(headers),
-            )
-        elif scope == "tokens":
-            assert tstats is not None
-            decision = Decision(
-                False, scope, tstats.reset_time - now,
-                f"rate limit reached for tokens: {msg.tokens_per_minute} per minute", tuple(headers),
-            )
-        else:
-            decision = Decision(
-                False, scope, 1.0,
-                f"too many concurrent requests: at most {msg.max_concurrent} at a time", tuple(headers),
-            )
+        decision = _key_decision(msg, scope, rstats, tstats, holds_slot=bool(slot_ok or local_slot), now=now)
         return _Outcome(decision, redis_slot=bool(slot_ok) and scope is None)
 
-    def _settle_key(self, msg: Acquire, outcome: _Outcome, local_slot: bool | None) -> Decision:
+    def _decide_key_now(self, requests: Windows, shared: Windows, msg: Acquire, local_slot: bool | None) -> Decision:
+        """:meth:`_decide_key` on memory windows, at one reading of the clock.
+
+        Concurrency is then the count in memory (``local_slot``), never a Redis lease.
+        """
+        now = time.time()
+        rpm = self._item(msg.requests, msg.window_seconds)
+        key_id = msg.api_key_id
+        full = local_slot is False  # concurrency already refused: hit nothing
+        if full:
+            rstats, hit_ok = requests.stats_now(rpm, "req", key_id, now=now), False
+        else:
+            rstats, hit_ok = requests.stats_and_hit_now(rpm, "req", key_id, now=now)
+        tstats = None
+        if msg.tokens_per_minute:
+            tstats = shared.stats_now(self._item(msg.tokens_per_minute, 60), "tok", key_id, now=now)
+        scope = _refused_scope(full, hit_ok, None, tstats)
+        if scope is not None and hit_ok:
+            requests.add_now(rpm, "req", key_id, amount=-1, now=now)  # a rejected request consumes nothing
+        return _key_decision(msg, scope, rstats, tstats, holds_slot=bool(local_slot), now=now)
+
+    def _settle_key(
+        self, msg: Acquire, decision: Decision, local_slot: bool | None, redis_slot: bool = False
+    ) -> Decision:
         """Book a decision in the loop: hold its slot, or count its rejection."""
-        decision = outcome.decision
         pid = msg.permit_id
         if not decision.allowed:
             if local_slot:
@@ -665,7 +661,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
             return decision
         if local_slot:
             self._held[pid] = _Held(msg.api_key_id, "local")
-        elif outcome.redis_slot:
+        elif redis_slot:
             self._held[pid] = _Held(msg.api_key_id, "redis")
         if self._abandoned.pop(pid, None) is not None:
             # The asker is gone (timeout, disconnect): nobody will release this grant.
@@ -682,7 +678,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
             return
         self._free_slot(msg.permit_id)
         if msg.tokens > 0 and msg.tokens_per_minute:
-            await self._charge(msg)
+            self._charge(msg)
 
     def _free_slot(self, permit_id: str) -> None:
         held = self._held.pop(permit_id, None)
@@ -704,15 +700,18 @@ class LimiterActor(Actor[CheckIp | Acquire]):
             return
         self.spawn(redis.slot_release(name, permit_id), done)
 
-    async def _charge(self, msg: Release) -> None:
-        """Add the call's real usage to the key's token window (it may go past the limit)."""
+    def _charge(self, msg: Release) -> None:
+        """Add the call's real usage to the key's token window (it may go past the limit).
+
+        Memory: at once. Remote: in a task, whose failure comes back as _Charged.
+        """
         assert self._shared is not None and msg.tokens_per_minute
         windows = self._shared.current()
         item = self._item(msg.tokens_per_minute, 60)
-        op = windows.add(item, "tok", msg.api_key_id, amount=msg.tokens)
         if windows.immediate:
-            await op
+            windows.add_now(item, "tok", msg.api_key_id, amount=msg.tokens, now=time.time())
             return
+        op = windows.add(item, "tok", msg.api_key_id, amount=msg.tokens)
         self.spawn(_together(windows, op), lambda _r, error: _Charged(msg, error))
 
     # -- degraded state -----------------------------------------------------------------
@@ -833,14 +832,74 @@ async def _quietly(op: Coroutine[Any, Any, Any]) -> None:
         log.debug("rate-limit compensation failed: %r", exc)
 
 
-def _run_now(coro: Coroutine[Any, Any, R]) -> R:
-    """Run a coroutine that never suspends (memory windows) to its end, here and now."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
-    coro.close()
-    raise RuntimeError("a memory rate-limit window suspended: it must decide without waiting")
+def _ip_refusal(rejected: list[WindowStats], now: float) -> Decision:
+    """The per-IP cap refused: retry once the latest of the refusing windows resets."""
+    return Decision(
+        allowed=False, scope="ip", retry_after=max(stats.reset_time for stats in rejected) - now,
+        message="too many requests from this address",
+    )
+
+
+def _failures_spent(stats: list[WindowStats], now: float) -> Decision:
+    """Refused while an address's allowance of failed attempts is spent (nothing counted)."""
+    spent = [s for s in stats if s.remaining <= 0]
+    if not spent:
+        return _ALLOWED
+    return Decision(
+        allowed=False, scope="ip", retry_after=max(s.reset_time for s in spent) - now,
+        message="too many failed or unauthenticated requests from this address",
+    )
+
+
+def _refused_scope(full: bool, hit_ok: bool, slot_ok: bool | None, tstats: WindowStats | None) -> str | None:
+    """Which of a key's limits refuses its request (None: admitted).
+
+    ``full``: no concurrency slot was free (nothing was hit); ``slot_ok``: the Redis
+    lease, if one was asked for.
+    """
+    if full or slot_ok is False:
+        return "concurrency" if hit_ok or full else "requests"
+    if not hit_ok:
+        return "requests"
+    if tstats is not None and tstats.remaining < 1:
+        return "tokens"
+    return None
+
+
+def _key_decision(
+    msg: Acquire, scope: str | None, rstats: WindowStats, tstats: WindowStats | None, *, holds_slot: bool, now: float
+) -> Decision:
+    """A key's answer: its ``x-ratelimit-*`` headers and, when refused, why and when to retry."""
+    reset_requests = rstats.reset_time - now
+    headers: tuple[tuple[str, str], ...] = (
+        ("x-ratelimit-limit-requests", str(msg.requests)),
+        ("x-ratelimit-remaining-requests", str(max(0, rstats.remaining - (1 if scope is None else 0)))),
+        # An untouched window starts with this request and resets a whole window later.
+        ("x-ratelimit-reset-requests", reset_header(reset_requests if reset_requests > 0 else msg.window_seconds)),
+    )
+    if tstats is not None:
+        headers += (
+            ("x-ratelimit-limit-tokens", str(msg.tokens_per_minute)),
+            ("x-ratelimit-remaining-tokens", str(max(0, tstats.remaining))),
+            ("x-ratelimit-reset-tokens", reset_header(tstats.reset_time - now)),
+        )
+    if scope is None:
+        return Decision(allowed=True, headers=headers, holds_slot=holds_slot)
+    if scope == "requests":
+        return Decision(
+            False, scope, rstats.reset_time - now,
+            f"rate limit reached for requests: {msg.requests} per {msg.window_seconds}s", headers,
+        )
+    if scope == "tokens":
+        assert tstats is not None
+        return Decision(
+            False, scope, tstats.reset_time - now,
+            f"rate limit reached for tokens: {msg.tokens_per_minute} per minute", headers,
+        )
+    return Decision(
+        False, scope, 1.0,
+        f"too many concurrent requests: at most {msg.max_concurrent} at a time", headers,
+    )
 
 
 def _copy_outcome(source: asyncio.Future[Decision], target: asyncio.Future[Decision]) -> None:

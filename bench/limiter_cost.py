@@ -1,6 +1,6 @@
 """What the limiter costs per request, for each storage: memory, Redis, PostgreSQL.
 
-    python -m bench.limiter_cost [--requests N] [--concurrency C] [--json]
+    python -m bench.limiter_cost [--requests N] [--concurrency C] [--json] [--memory-only]
     (or, from the repository root: PYTHONPATH=. python bench/limiter_cost.py)
 
 For each storage a real LimiterActor is started and driven through its handle as the
@@ -10,8 +10,9 @@ requests at a time, ``N`` in all. Reported per request: wall time, and CPU time 
 this process minus that of the same driver doing nothing (so the figure is the
 limiter's own cost: actor hops, strategies, client work; it stays meaningful on a busy
 machine, where wall time mostly measures the neighbours); for Redis, commands and
-pipelines. Also: the memory decisions alone, without the actor hop, and the library's
-own Redis storage driven without batching (one round trip per operation).
+pipelines. Also: the memory path alone through the handle, one request at a time (the
+per-IP check, the key's acquire and release, and both), and the library's own Redis
+storage driven without batching (one round trip per operation).
 Everything is bounded: a few thousand requests per storage.
 
 Redis: ``REDIS_URL`` (default redis://127.0.0.1:6379/0), keys under a fresh prefix,
@@ -26,9 +27,10 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -39,7 +41,7 @@ from limits.aio.storage import RedisStorage
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 
 from actors.auth import VerifiedKey
-from actors.limiter import Acquire, CheckIp, LimiterActor, LimiterHandle, Permit
+from actors.limiter import LimiterActor, LimiterHandle, Permit
 from actors.runtime import Supervisor
 from gateway.auth.keys import KeyPolicy, KeyStore
 from gateway.core.config import RateLimitSettings
@@ -95,7 +97,7 @@ async def _drive(
 
     With no handle the driver does nothing per request: its CPU time is the baseline.
     """
-    one = _one if handle is not None else _nothing
+    one: Callable[[Any, VerifiedKey, str], Awaitable[bool]] = _one if handle is not None else _nothing
     rejected = 0
     started, cpu = time.perf_counter(), time.process_time()
     for start in range(0, total, concurrency):
@@ -160,29 +162,57 @@ async def measure_library_redis(redis_url: str, total: int, concurrency: int, pr
                   cpu / total * 1e6, note="5 round trips per request")
 
 
-async def measure_memory_decisions(total: int) -> list[Result]:
-    """The memory decisions alone, in a loop: what a request costs without the actor hop."""
-    actor = LimiterActor(RateLimitSettings(storage="memory://", per_ip="1000000/second"))
-    await actor.on_start()
+async def measure_memory_path(total: int) -> list[Result]:
+    """The memory path through the handle, one request at a time: no actor hop, no gather.
+
+    What the edge runs per request on a memory limiter (decided in the request's task),
+    in three cuts: the per-IP check (rate and burst windows), the key's acquire and
+    release with a token charge (requests, tokens, concurrency, headers), and both. CPU
+    per request, minus the same loop calling nothing; the median of five rounds.
+    """
+    supervisor, _actor, handle = await _limiter("memory://", None, None, "bench")
+    keys = [_verified(uuid.uuid4()) for _ in range(20)]
+    ips = [f"10.0.{i}.1" for i in range(250)]
+
+    async def check(i: int) -> None:
+        await handle.check_ip(ips[i % 250])
+
+    async def acquire_release(i: int) -> None:
+        permit = await handle.acquire(keys[i % 20])
+        permit.charge(100)
+        permit.release()
+
+    async def whole(i: int) -> None:
+        await check(i)
+        await acquire_release(i)
+
+    async def nothing(_i: int) -> None:
+        return None
+
+    async def cpu_per_call(step: Callable[[int], Awaitable[None]]) -> float:
+        rounds = []
+        for _ in range(5):
+            started = time.process_time()
+            for i in range(total):
+                await step(i)
+            rounds.append((time.process_time() - started) / total * 1e6)
+        return statistics.median(rounds)
+
     try:
-        assert actor._requests is not None and actor._shared is not None
-        requests, shared = actor._requests.current(), actor._shared.current()
-        ids = [str(uuid.uuid4()) for _ in range(20)]
-        started = time.process_time()
-        for i in range(total):
-            msg = Acquire(f"bench:{i}", ids[i % 20], 10**9, 3600, 10**9, None)
-            await actor._decide_key(requests, shared, msg, None)
-        per_key = (time.process_time() - started) / total * 1e6
-        started = time.process_time()
-        for i in range(total):
-            await actor._decide_ip(shared, CheckIp(f"10.0.{i % 250}.1"))
-        per_ip = (time.process_time() - started) / total * 1e6
+        await cpu_per_call(whole)  # warm-up: every window and key exists
+        baseline = await cpu_per_call(nothing)
+        cuts = [
+            ("memory: whole path alone (check_ip+acquire+release)", whole),
+            ("memory: key acquire+release alone (requests+tokens)", acquire_release),
+            ("memory: per-IP check alone (rate+burst)", check),
+        ]
+        results = []
+        for name, step in cuts:
+            cpu = await cpu_per_call(step) - baseline
+            results.append(Result(name, total, 1, cpu, 0, cpu, note="no actor hop, one at a time"))
+        return results
     finally:
-        await actor.on_stop()
-    return [
-        Result("memory: one key decision alone (requests+tokens)", total, 1, per_key, 0, per_key, note="no actor hop"),
-        Result("memory: one per-IP decision alone (rate+burst)", total, 1, per_ip, 0, per_ip, note="no actor hop"),
-    ]
+        await supervisor.stop()
 
 
 @asynccontextmanager
@@ -204,12 +234,14 @@ async def scratch_database(admin_dsn: str) -> AsyncIterator[str]:
             await conn.close()
 
 
-async def run(total: int, concurrency: int) -> list[Result]:
+async def run(total: int, concurrency: int, memory_only: bool = False) -> list[Result]:
     results: list[Result] = []
     prefix = f"bench-{uuid.uuid4().hex[:8]}"
     keys = [_verified(uuid.uuid4()) for _ in range(20)]
     results.append(await measure("memory", "memory://", keys, total, concurrency))
-    results.extend(await measure_memory_decisions(total))
+    results.extend(await measure_memory_path(total))
+    if memory_only:
+        return results
     redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     probe = RedisWindowStorage(redis_url, key_prefix=prefix)
     try:
@@ -249,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=3000, help="requests per storage (bounded to 20000)")
     parser.add_argument("--concurrency", type=int, default=50)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--memory-only", action="store_true", help="skip Redis and PostgreSQL")
     args = parser.parse_args(argv)
-    results = asyncio.run(run(min(args.requests, 20_000), max(1, args.concurrency)))
+    results = asyncio.run(run(min(args.requests, 20_000), max(1, args.concurrency), args.memory_only))
     if args.json:
         print(json.dumps([asdict(r) for r in results], indent=2))
         return 0

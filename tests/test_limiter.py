@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 import asyncpg
 import pytest
@@ -437,6 +437,98 @@ async def test_memory_windows_decide_exactly_as_the_library_does(strategy: str, 
     ours_counts = {k: v for k, v in ours.storage.storage.items() if v}  # type: ignore[attr-defined]
     reference_counts = {k: v for k, v in reference.storage.storage.items() if v}  # type: ignore[attr-defined]
     assert ours_counts == reference_counts
+
+
+@pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
+async def test_a_memory_stats_and_hit_in_one_read_equal_stats_then_hit(
+    strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A key's request window is read once for its stats and its hit; the library's
+    # strategy, asked for the stats and then the hit, is the reference.
+    from limits.aio.storage import MemoryStorage
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    ours = Windows("memory", LocalStorage(), strategy)
+    reference = Windows("memory", MemoryStorage(), strategy)
+    item = RateLimitItemPerSecond(5, 10)
+    steps = [(0.0, 1), (0.5, 2), (2.0, 3), (3.0, 1), (9.9, 1), (10.2, 1), (13.0, 2), (19.5, 5), (27.0, 1),
+             (35.0, 6), (48.0, 1), (48.5, 4), (49.0, 1)]
+    for offset, cost in steps:
+        clock[0] = 1_000_000.0 + offset
+        stats, hit = ours.stats_and_hit_now(item, "k", cost=cost, now=clock[0])
+        expected_stats = await reference.stats(item, "k")
+        expected_hit = await reference.hit(item, "k", cost=cost)
+        assert (round(stats.reset_time, 6), stats.remaining, hit) == (
+            round(expected_stats.reset_time, 6), expected_stats.remaining, expected_hit,
+        ), (offset, cost)
+    ours_counts = {k: v for k, v in ours.storage.storage.items() if v}  # type: ignore[attr-defined]
+    reference_counts = {k: v for k, v in reference.storage.storage.items() if v}  # type: ignore[attr-defined]
+    assert ours_counts == reference_counts
+
+
+@pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
+async def test_memory_decisions_in_the_task_match_the_actors_coroutines(
+    strategy: Literal["sliding-window", "fixed-window"], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Memory windows are decided by synchronous twins (_decide_ip_now, _decide_key_now)
+    # of the coroutines remote storages go through (_decide_ip, _decide_key). Driven over
+    # memory through the same messages at the same (frozen) times, both must give the
+    # same answers (headers, Retry-After, messages) and leave the same counters.
+    from actors.limiter import Acquire, CheckIp, Release
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    settings = RateLimitSettings(
+        storage="memory://", strategy=strategy, per_ip="2/minute", per_ip_burst=1, per_ip_all="3/minute"
+    )
+    twin, coroutines = LimiterActor(settings), LimiterActor(settings)
+    for actor in (twin, coroutines):
+        await actor.on_start()
+    key_id = str(uuid.uuid4())
+    held: dict[LimiterActor, list[str]] = {twin: [], coroutines: []}
+    try:
+        for step in range(40):
+            clock[0] = 1_000_000.0 + step * 4.5
+            for kind in ("any", "any", "peek", "failed"):
+                check = CheckIp(f"10.0.0.{step % 3 // 2}", kind)
+                answers = []
+                for actor in (twin, coroutines):
+                    assert actor._shared is not None
+                    windows = actor._shared.current()
+                    if actor is twin:
+                        answers.append(actor._settle_ip(actor._decide_ip_now(windows, check)))
+                    else:
+                        answers.append(actor._settle_ip(await actor._decide_ip(windows, check)))
+                assert answers[0] == answers[1], (step, kind)
+            acquire = Acquire(f"p{step}", key_id, requests=4, window_seconds=60, tokens_per_minute=300,
+                              max_concurrent=1)
+            decisions = []
+            for actor in (twin, coroutines):
+                assert actor._requests is not None and actor._shared is not None
+                requests, shared = actor._requests.current(), actor._shared.current()
+                local_slot = actor._reserve_local_slot(acquire)
+                if actor is twin:
+                    decision = actor._decide_key_now(requests, shared, acquire, local_slot)
+                else:
+                    decision = (await actor._decide_key(requests, shared, acquire, local_slot)).decision
+                decisions.append(actor._settle_key(acquire, decision, local_slot))
+                if decision.allowed:
+                    held[actor].append(acquire.permit_id)
+                if step % 5 in (1, 3):  # between, a request stays in flight: concurrency refuses
+                    for permit_id in held[actor]:
+                        actor._free_slot(permit_id)
+                        actor._charge(Release(permit_id, key_id, 300, 400 if 20 <= step < 25 else 40))
+                    held[actor].clear()
+            assert decisions[0] == decisions[1], step
+        assert twin.rejections == coroutines.rejections
+        assert set(twin.rejections) == {"ip", "requests", "tokens", "concurrency"}
+        for scope in ("_shared", "_requests"):
+            ours, theirs = getattr(twin, scope).current().storage, getattr(coroutines, scope).current().storage
+            assert ours.storage == theirs.storage and ours.expirations == theirs.expirations
+    finally:
+        for actor in (twin, coroutines):
+            await actor.on_stop()
 
 
 def test_the_limits_internals_the_memory_storage_overrides_still_exist() -> None:

@@ -14,7 +14,8 @@ this module gives them three storages and one small wrapper:
   writes nothing.
 * :class:`Windows`: a strategy over a storage, with the operations the limiter needs:
   ``hit`` (never consuming on rejection), ``stats``, and ``add`` (an unconditional
-  charge or refund, for token usage known only after the call).
+  charge or refund, for token usage known only after the call); on memory also as
+  plain calls (``hit_now``, ``stats_now``, ``stats_and_hit_now``, ``add_now``).
 
 Library internals: :class:`LocalStorage` overrides two name-mangled private methods of
 ``limits``' ``MemoryStorage`` and :func:`_without_error_wrappers` unwraps its per-class
@@ -125,8 +126,9 @@ class LocalStorage(MemoryStorage):
     event-loop turn. This subclass sweeps at most once per ``SWEEP_SECONDS``; reads
     already ignore expired entries, so only memory use depends on the sweep.
 
-    Every operation also completes without suspending (the limiter decides memory
-    windows in the caller's task and relies on it): uncontended locks never wait, and
+    The limiter decides memory windows with the synchronous ``*_now`` twins below. The
+    library's own coroutines (tests, ``clear``, ``reset``) never suspend mid-operation
+    either, so no decision sees half of one: uncontended locks never wait, and
     this sweep holds no lock across an ``await``, unlike the library's, which bisects
     moving-window event lists in a thread while holding the key's lock.
     """
@@ -159,15 +161,22 @@ class LocalStorage(MemoryStorage):
     # (asyncio runs one callback at a time).
     def get_now(self, key: str, now: float) -> int:
         """``MemoryStorage.get``: the counter, dropped once expired."""
-        if self.expirations.get(key, 0) <= now:
-            self.storage.pop(key, None)
-            self.expirations.pop(key, None)
-            self.locks.pop(key, None)
-        return self.storage.get(key, 0)
+        if self.expirations.get(key, 0) > now:
+            return self.storage.get(key, 0)
+        # Expired or never counted (a sliding window's previous counter, mostly): forgotten,
+        # as the library's ``get`` does, which then reads 0.
+        self.storage.pop(key, None)
+        self.expirations.pop(key, None)
+        self.locks.pop(key, None)
+        return 0
 
-    def incr_now(self, key: str, expiry: float, amount: int, now: float) -> int:
-        """``MemoryStorage.incr``: add ``amount``; a new counter expires ``expiry`` from now."""
-        count = self.get_now(key, now) + amount
+    def incr_now(self, key: str, expiry: float, amount: int, now: float, current: int | None = None) -> int:
+        """``MemoryStorage.incr``: add ``amount``; a new counter expires ``expiry`` from now.
+
+        ``current``: the counter as :meth:`get_now` read it at this same ``now``, when the
+        caller just did (reading it again would find the same value).
+        """
+        count = (self.get_now(key, now) if current is None else current) + amount
         self._sweep_soon()
         self.storage[key] = count
         if count == amount:
@@ -176,21 +185,33 @@ class LocalStorage(MemoryStorage):
 
     def sliding_window_now(self, key: str, expiry: int, now: float) -> tuple[int, float, int, float]:
         """``get_sliding_window``: (previous count, its ttl, current count, its ttl)."""
+        return self._sliding_window_at(key, f"{key}/{int(now / expiry)}", expiry, now)
+
+    def _sliding_window_at(self, key: str, current_key: str, expiry: int, now: float) -> tuple[int, float, int, float]:
+        """:meth:`sliding_window_now`, the current counter's key (``{key}/{window}``) given."""
         previous_count = self.get_now(f"{key}/{int((now - expiry) / expiry)}", now)
-        current_count = self.get_now(f"{key}/{int(now / expiry)}", now)
+        current_count = self.get_now(current_key, now)
         previous_ttl = 0.0 if previous_count == 0 else (1 - (((now - expiry) / expiry) % 1)) * expiry
         current_ttl = (1 - ((now / expiry) % 1)) * expiry + expiry
         return previous_count, previous_ttl, current_count, current_ttl
 
-    def acquire_sliding_now(self, key: str, limit: int, expiry: int, amount: int, now: float) -> bool:
-        """``acquire_sliding_window_entry``: take ``amount`` if the weighted count allows it."""
+    def acquire_sliding_now(
+        self, key: str, limit: int, expiry: int, amount: int, now: float,
+        window: tuple[int, float, int, float] | None = None,
+    ) -> bool:
+        """``acquire_sliding_window_entry``: take ``amount`` if the weighted count allows it.
+
+        ``window``: :meth:`sliding_window_now` of this key at this same ``now``, when the
+        caller just read it (a window's stats and its hit read it once).
+        """
         if amount > limit:
             return False
-        previous_count, previous_ttl, current_count, _ = self.sliding_window_now(key, expiry, now)
+        current_key = f"{key}/{int(now / expiry)}"
+        previous_count, previous_ttl, current_count, _ = window or self._sliding_window_at(key, current_key, expiry, now)
         if math.floor(previous_count * previous_ttl / expiry + current_count) + amount > limit:
             return False
         # As the library: a new current counter lives two windows (it is next window's previous).
-        self.incr_now(f"{key}/{int(now / expiry)}", 2 * expiry, amount, now)
+        self.incr_now(current_key, 2 * expiry, amount, now, current=current_count)
         return True
 
     # Replaces the library's sweep (same effect, no thread hop, no lock held while waiting).
@@ -564,10 +585,13 @@ class PostgresWindowStorage(Storage):
 class Windows:
     """One ``limits`` strategy over one storage, as the limiter uses it.
 
-    ``name`` says which storage ("memory", "redis", "postgres"); ``immediate`` storages
-    answer without I/O. Operations of one request run together only on Redis, whose
-    pipeline keeps them in order; elsewhere one after the other (memory: no task per
-    operation; PostgreSQL: on separate connections a read could overtake the hit before it).
+    ``name`` says which storage ("memory", "redis", "postgres"). ``immediate``: this
+    process's memory (:class:`LocalStorage`), which answers without I/O and also through
+    the synchronous ``*_now`` twins of ``hit``, ``stats`` and ``add`` (same arithmetic,
+    same keys; the caller reads the clock once per decision and passes it as ``now``).
+    Operations of one request run together only on Redis, whose pipeline keeps them in
+    order; elsewhere one after the other (memory: no task per operation; PostgreSQL: on
+    separate connections a read could overtake the hit before it).
     """
 
     __slots__ = ("_batches", "_fixed", "_local", "_refund_rejected", "immediate", "name", "storage", "strategy")
@@ -581,24 +605,18 @@ class Windows:
         self.strategy: RateLimiter = (
             FixedWindowRateLimiter(storage) if self._fixed else SlidingWindowCounterRateLimiter(storage)
         )
-        self.immediate = isinstance(storage, MemoryStorage)
         self._batches = isinstance(storage, RedisWindowStorage)
         self._refund_rejected = self._fixed and getattr(storage, "consumes_on_rejection", True)
         #: This process's memory: decided by :class:`LocalStorage`'s synchronous twins of
         #: the library's operations (same arithmetic, same keys), not through its coroutines.
+        #: (The library's own MemoryStorage, a test's reference, goes through the strategy.)
         self._local = storage if isinstance(storage, LocalStorage) else None
+        self.immediate = self._local is not None
 
     async def hit(self, item: RateLimitItem, *ids: str, cost: int = 1) -> bool:
         """Consume ``cost`` if it fits; a rejected hit consumes nothing."""
-        local = self._local
-        if local is not None:
-            key, now = item.key_for(*ids), time.time()
-            if self._fixed:
-                if local.incr_now(key, item.get_expiry(), cost, now) <= item.amount:
-                    return True
-                local.incr_now(key, item.get_expiry(), -cost, now)  # counted on rejection: give it back
-                return False
-            return local.acquire_sliding_now(key, item.amount, item.get_expiry(), cost, now)
+        if self._local is not None:
+            return self.hit_now(item, *ids, cost=cost, now=time.time())
         if await self.strategy.hit(item, *ids, cost=cost):
             return True
         if self._refund_rejected:
@@ -608,22 +626,9 @@ class Windows:
 
     async def stats(self, item: RateLimitItem, *ids: str) -> WindowStats:
         """(reset time, remaining) of the window, as ``limits`` computes them."""
-        local = self._local
-        if local is None:
-            return await self.strategy.get_window_stats(item, *ids)
-        key, now = item.key_for(*ids), time.time()
-        if self._fixed:
-            remaining = max(0, item.amount - local.get_now(key, now))
-            return WindowStats(local.expirations.get(key, now), remaining)
-        # SlidingWindowCounterRateLimiter.get_window_stats, on the same counts.
-        expiry = item.get_expiry()
-        previous_count, previous_ttl, current_count, current_ttl = local.sliding_window_now(key, expiry, now)
-        remaining = max(0, item.amount - math.floor(previous_count * previous_ttl / expiry + current_count))
-        if not (previous_count or current_count):
-            return WindowStats(now, remaining)
-        previous_reset_in = previous_ttl % (expiry / previous_count) if previous_count else math.inf
-        current_reset_in = current_ttl % expiry if current_count else math.inf
-        return WindowStats(now + min(previous_reset_in, current_reset_in), remaining)
+        if self._local is not None:
+            return self.stats_now(item, *ids, now=time.time())
+        return await self.strategy.get_window_stats(item, *ids)
 
     async def add(self, item: RateLimitItem, *ids: str, amount: int) -> None:
         """Add ``amount`` whatever is left (negative: a refund).
@@ -632,14 +637,10 @@ class Windows:
         limit; the library's ``hit`` refuses a cost over what is left, so this goes to
         the storage under the strategy's own key.
         """
-        key = item.key_for(*ids)
-        local = self._local
-        if local is not None:
-            if self._fixed:
-                local.incr_now(key, item.get_expiry(), amount, time.time())
-            else:
-                local.acquire_sliding_now(key, UNBOUNDED, item.get_expiry(), amount, time.time())
+        if self._local is not None:
+            self.add_now(item, *ids, amount=amount, now=time.time())
             return
+        key = item.key_for(*ids)
         if self._fixed:
             await self.storage.incr(key, item.get_expiry(), amount)
         else:
@@ -652,3 +653,79 @@ class Windows:
             return [await op for op in ops]
         return list(await asyncio.gather(*ops))
 
+    # -- this process's memory, without coroutines (``immediate`` windows only) ----------
+    # Called on other storages they fail at once (``None`` has no such counters); the
+    # limiter only calls them where ``immediate`` holds.
+    def hit_now(self, item: RateLimitItem, *ids: str, cost: int = 1, now: float) -> bool:
+        """:meth:`hit`, at ``now`` (``time.time()``)."""
+        local = self._local
+        assert local is not None, "memory windows only"
+        key = item.key_for(*ids)
+        if not self._fixed:
+            return local.acquire_sliding_now(key, item.amount, item.get_expiry(), cost, now)
+        return self._fixed_hit(local, item, key, cost, now, None)
+
+    def stats_now(self, item: RateLimitItem, *ids: str, now: float) -> WindowStats:
+        """:meth:`stats`, at ``now``."""
+        local = self._local
+        assert local is not None, "memory windows only"
+        key = item.key_for(*ids)
+        if self._fixed:
+            return self._fixed_stats(local, item, key, now, local.get_now(key, now))
+        return self._sliding_stats(item, local.sliding_window_now(key, item.get_expiry(), now), now)
+
+    def stats_and_hit_now(
+        self, item: RateLimitItem, *ids: str, cost: int = 1, now: float
+    ) -> tuple[WindowStats, bool]:
+        """:meth:`stats` then :meth:`hit`, at ``now``, reading the window's counters once.
+
+        Nothing runs in between (no await), so the hit would read what the stats read.
+        """
+        local = self._local
+        assert local is not None, "memory windows only"
+        key = item.key_for(*ids)
+        if self._fixed:
+            count = local.get_now(key, now)
+            stats = self._fixed_stats(local, item, key, now, count)  # before the hit sets a new window's expiry
+            return stats, self._fixed_hit(local, item, key, cost, now, count)
+        expiry = item.get_expiry()
+        window = local.sliding_window_now(key, expiry, now)
+        stats = self._sliding_stats(item, window, now)
+        return stats, local.acquire_sliding_now(key, item.amount, expiry, cost, now, window=window)
+
+    def add_now(self, item: RateLimitItem, *ids: str, amount: int, now: float) -> None:
+        """:meth:`add`, at ``now``."""
+        local = self._local
+        assert local is not None, "memory windows only"
+        key = item.key_for(*ids)
+        if self._fixed:
+            local.incr_now(key, item.get_expiry(), amount, now)
+        else:
+            local.acquire_sliding_now(key, UNBOUNDED, item.get_expiry(), amount, now)
+
+    @staticmethod
+    def _fixed_hit(
+        local: LocalStorage, item: RateLimitItem, key: str, cost: int, now: float, count: int | None
+    ) -> bool:
+        """FixedWindowRateLimiter.hit on memory; ``count``: the counter just read, if it was."""
+        if local.incr_now(key, item.get_expiry(), cost, now, current=count) <= item.amount:
+            return True
+        local.incr_now(key, item.get_expiry(), -cost, now)  # counted on rejection: give it back
+        return False
+
+    @staticmethod
+    def _fixed_stats(local: LocalStorage, item: RateLimitItem, key: str, now: float, count: int) -> WindowStats:
+        """FixedWindowRateLimiter.get_window_stats on memory, ``count`` being the counter now."""
+        return WindowStats(local.expirations.get(key, now), max(0, item.amount - count))
+
+    @staticmethod
+    def _sliding_stats(item: RateLimitItem, window: tuple[int, float, int, float], now: float) -> WindowStats:
+        """SlidingWindowCounterRateLimiter.get_window_stats, on the counts ``window`` read at ``now``."""
+        expiry = item.get_expiry()
+        previous_count, previous_ttl, current_count, current_ttl = window
+        remaining = max(0, item.amount - math.floor(previous_count * previous_ttl / expiry + current_count))
+        if not (previous_count or current_count):
+            return WindowStats(now, remaining)
+        previous_reset_in = previous_ttl % (expiry / previous_count) if previous_count else math.inf
+        current_reset_in = current_ttl % expiry if current_count else math.inf
+        return WindowStats(now + min(previous_reset_in, current_reset_in), remaining)
