@@ -7,6 +7,7 @@ asks for it) or, when cut short, it is estimated from the chunks that were deliv
 from __future__ import annotations
 
 import random
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -94,16 +95,34 @@ def usage_from_answer(
     return usage, None
 
 
+#: The text of a content chunk as its template frames it: no quote, backslash or control
+#: character (JSON would have them escaped), so these bytes are the text itself, valid in a
+#: JSON string wherever another string's text was (UTF-8 is checked by decoding).
+_PLAIN_TEXT = re.compile(rb'[^"\\\x00-\x1f]*')
+_CONTENT_KEY = b'"content"'
+_CONTENT_OPENS = b'"content":"'
+
+
 class StreamTap:
     """Watches a relayed stream's chunks: ids, finish reasons, usage, delivered text.
 
     ``inspect`` is called once per ``data:`` payload and says whether to forward it:
     a usage-only chunk the client did not ask for is swallowed.
+
+    A provider sends its content chunks byte for byte alike but for the text (same id,
+    model, created, one choice, no finish reason, ``"usage":null``). A chunk parsed whole
+    that has that shape becomes the template: its bytes before and after the text. A
+    later payload made of the same two parts around a text that needs no JSON escape is
+    that same object with another text, so it is accounted for without a parse (its text
+    counted and kept, nothing else changes); anything else is parsed as before. The
+    result, malformed payloads included, is what a parse of every payload gives.
     """
 
     __slots__ = (
         "_kept_text",
         "_saw_usage",
+        "_text_prefix",
+        "_text_suffix",
         "chunks",
         "client_wants_usage",
         "done",
@@ -131,6 +150,9 @@ class StreamTap:
         self._saw_usage = False
         #: The delivered text, kept only when content capture is on (CAPTURE_GENAI_CONTENT).
         self._kept_text: list[str] | None = [] if keep_text else None
+        #: The template content chunk's bytes before and after its text (None: no template yet).
+        self._text_prefix: bytes | None = None
+        self._text_suffix = b""
 
     def inspect(self, data: bytes) -> bool:
         """Account for one payload; returns False if it must not reach the client."""
@@ -140,6 +162,19 @@ class StreamTap:
         if self.first_chunk_at is None:
             self.first_chunk_at = time.monotonic()
         self.chunks += 1
+        prefix = self._text_prefix
+        if prefix is not None and data.startswith(prefix) and data.endswith(self._text_suffix):
+            end = len(data) - len(self._text_suffix)
+            if end >= len(prefix) and _PLAIN_TEXT.fullmatch(data, len(prefix), end):
+                try:
+                    text = data[len(prefix) : end].decode()
+                except UnicodeDecodeError:
+                    pass  # not UTF-8: the parse below says it is malformed
+                else:
+                    self.text_chars += len(text)
+                    if self._kept_text is not None:
+                        self._kept_text.append(text)
+                    return True
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -167,7 +202,28 @@ class StreamTap:
             self._saw_usage = self.usage.absorb(obj) or self._saw_usage
             if not self.client_wants_usage and choices == []:
                 return False
+        elif self.response_id is not None and isinstance(choices, list) and len(choices) == 1:
+            self._learn_template(data, choices[0])
         return True
+
+    def _learn_template(self, data: bytes, choice: Any) -> None:
+        """Take ``data`` as the template of content chunks if it is one: a single choice
+        with a text delta and no finish reason, no usage or cost (the caller checked), the
+        text's key and the text written plainly (no escape anywhere, one ``"content"``)."""
+        if not isinstance(choice, dict) or isinstance(choice.get("finish_reason"), str):
+            return
+        delta = choice.get("delta")
+        content = delta.get("content") if isinstance(delta, dict) else None
+        if not isinstance(content, str) or b"\\" in data or data.count(_CONTENT_KEY) != 1:
+            return
+        start = data.find(_CONTENT_OPENS)
+        if start < 0:
+            return
+        start += len(_CONTENT_OPENS)
+        end = data.find(b'"', start)
+        if data[start:end] != content.encode():
+            return
+        self._text_prefix, self._text_suffix = data[:start], data[end:]
 
     def kept_text(self) -> str | None:
         """The delivered text if ``keep_text`` was asked for, else None."""
