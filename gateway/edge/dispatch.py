@@ -453,8 +453,12 @@ async def _first_event(reply: UpstreamReply) -> bytes:
 
 
 def _is_done(event: bytes) -> bool:
-    """The chat stream's end marker."""
-    return event_data(event) == b"[DONE]"
+    """The chat stream's end marker.
+
+    Asked of every event: an event without the bytes ``[DONE]`` is not the end, and an
+    rfind (0.06 µs on a 236-byte chunk) rules that out for less than event_data (0.18 µs).
+    """
+    return event.rfind(b"[DONE]") >= 0 and event_data(event) == b"[DONE]"
 
 
 def _watch(reply: UpstreamReply, first: bytes, deployment: str, breaker: BreakerHandle) -> None:
