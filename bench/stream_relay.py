@@ -1,6 +1,6 @@
 """CPU per event of a chat stream's relay path, in process: the gateway's own share of S3.
 
-    python -m bench.stream_relay [--streams N] [--rounds R] [--per-read K] [--hide-usage]
+    python -m bench.stream_relay [--streams N] [--rounds R] [--per-read K] [--hide-usage] [--openai]
 
 Drives the per-chunk path a chat stream relayed to a chat client takes, with the real
 code at every step but the sockets: the OpenAI provider's event iterator
@@ -13,7 +13,9 @@ and capture hooks off, as in the bench), writing into a response that only count
 it is given. Each stream is S3's: the role chunk, 50 content chunks of ~150 bytes, the
 finish chunk, the usage chunk and ``[DONE]``, every chunk with ``"usage":null`` (the
 gateway always asks for usage). ``--hide-usage`` is a client that did not ask for it
-(``"usage":null`` stripped, the usage chunk hidden).
+(``"usage":null`` stripped, the usage chunk hidden). ``--openai`` sends the chunks as
+OpenAI's API does: ``service_tier``, ``system_fingerprint`` and a random ``obfuscation``
+string of random length in every chunk.
 
 Prints the process CPU (``time.process_time``) per upstream event and the writes per
 event, median of the rounds. The first round's streams are checked (usage, finish
@@ -25,6 +27,7 @@ here (per write, see ``writes/event``). A run takes a few seconds.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -45,20 +48,28 @@ __all__ = ["main", "measure", "stream_events"]
 WORDS = 50
 
 
-def _chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-    return {"id": "chatcmpl-bench0123456789", "object": "chat.completion.chunk", "created": 1733000000,
-            "model": "bench-stream", "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                                  "finish_reason": finish}], "usage": None}
+def _chunk(delta: dict[str, Any], finish: str | None = None, *, openai: bool = False) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": "chatcmpl-bench0123456789", "object": "chat.completion.chunk",
+                             "created": 1733000000, "model": "bench-stream"}
+    if openai:
+        chunk.update(service_tier="default", system_fingerprint="fp_34a54111")
+    chunk["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    chunk["usage"] = None
+    return chunk
 
 
-def stream_events() -> list[bytes]:
+def stream_events(openai: bool = False) -> list[bytes]:
     """S3's stream as the fake provider sends it (``stream_options.include_usage`` on)."""
-    chunks = [_chunk({"role": "assistant", "content": ""})]
-    chunks += [_chunk({"content": f" word{i} and a few more"}) for i in range(WORDS)]
-    chunks.append(_chunk({}, "stop"))
+    chunks = [_chunk({"role": "assistant", "content": ""}, openai=openai)]
+    chunks += [_chunk({"content": f" word{i} and a few more"}, openai=openai) for i in range(WORDS)]
+    chunks.append(_chunk({}, "stop", openai=openai))
     chunks.append({"id": "chatcmpl-bench0123456789", "object": "chat.completion.chunk", "created": 1733000000,
                    "model": "bench-stream", "choices": [],
                    "usage": {"prompt_tokens": 12, "completion_tokens": 250, "total_tokens": 262}})
+    if openai:
+        pads = random.Random(23)
+        for chunk in chunks:
+            chunk["obfuscation"] = "".join(pads.choices("abcdefghijkLMNOPQ0123456789", k=pads.randint(2, 16)))
     return [b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
 
 
@@ -160,8 +171,10 @@ def _check(record: CallRecord, sink: _Sink, expected_bytes: int, breaker: _Break
                          f"expected {expected_bytes}): the measure is void")
 
 
-async def _rounds(streams: int, rounds: int, per_read: int, hide_usage: bool) -> tuple[list[float], float]:
-    events = stream_events()
+async def _rounds(
+    streams: int, rounds: int, per_read: int, hide_usage: bool, openai: bool
+) -> tuple[list[float], float]:
+    events = stream_events(openai)
     reads = [b"".join(events[i:i + per_read]) for i in range(0, len(events), per_read)]
     if hide_usage:
         expected = sum(len(e.replace(b',"usage":null', b"")) for e in events[:-2]) + len(events[-1])
@@ -184,8 +197,10 @@ async def _rounds(streams: int, rounds: int, per_read: int, hide_usage: bool) ->
     return per_event, writes
 
 
-def measure(streams: int = 1000, rounds: int = 5, per_read: int = 1, hide_usage: bool = False) -> dict[str, float]:
-    per_event, writes = uvloop.run(_rounds(streams, rounds, per_read, hide_usage))
+def measure(
+    streams: int = 1000, rounds: int = 5, per_read: int = 1, hide_usage: bool = False, openai: bool = False
+) -> dict[str, float]:
+    per_event, writes = uvloop.run(_rounds(streams, rounds, per_read, hide_usage, openai))
     return {"per_event_us": statistics.median(per_event), "writes_per_event": writes}
 
 
@@ -195,10 +210,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="rounds; the median is printed (default 5)")
     parser.add_argument("--per-read", type=int, default=1, help="events per upstream read (default 1)")
     parser.add_argument("--hide-usage", action="store_true", help="a client that did not ask for usage")
+    parser.add_argument("--openai", action="store_true", help="chunks shaped as OpenAI's (random padding)")
     args = parser.parse_args(argv)
-    figures = measure(args.streams, args.rounds, args.per_read, args.hide_usage)
-    print(f"chat stream relay ({len(stream_events())} events, {args.per_read}/read, "
-          f"{'usage hidden' if args.hide_usage else 'usage asked for'}): "
+    figures = measure(args.streams, args.rounds, args.per_read, args.hide_usage, args.openai)
+    print(f"chat stream relay ({len(stream_events())} events{', OpenAI shape' if args.openai else ''}, "
+          f"{args.per_read}/read, {'usage hidden' if args.hide_usage else 'usage asked for'}): "
           f"{figures['per_event_us']:.2f} µs per event, {figures['writes_per_event']:.2f} writes/event")
 
 

@@ -58,6 +58,6 @@ def test_the_stream_relay_measure_checks_what_it_relays() -> None:
 
     # The measure refuses to report figures when usage, finish reason, id or bytes are wrong.
     for hide_usage in (False, True):
-        for per_read in (1, 4):
-            figures = measure(streams=3, rounds=1, per_read=per_read, hide_usage=hide_usage)
+        for per_read, openai in ((1, False), (4, False), (1, True)):
+            figures = measure(streams=3, rounds=1, per_read=per_read, hide_usage=hide_usage, openai=openai)
             assert figures["per_event_us"] > 0 and 0 < figures["writes_per_event"] <= 1

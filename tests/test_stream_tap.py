@@ -18,13 +18,21 @@ class _ParsingTap(StreamTap):
         return None
 
 
-def _chunk(content: str | None, *, finish: str | None = None, role: bool = False, rid: str = "chatcmpl-1") -> bytes:
+def _chunk(content: str | None, *, finish: str | None = None, role: bool = False, rid: str = "chatcmpl-1",
+           pad: str | None = None, index: int = 0) -> bytes:
     delta: dict[str, Any] = {} if content is None else {"content": content}
     if role:
         delta = {"role": "assistant", **delta}
-    return orjson.dumps({"id": rid, "object": "chat.completion.chunk", "created": 1, "model": "m",
-                         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
-                         "usage": None})
+    obj: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": 1, "model": "m",
+                           "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                           "usage": None}
+    if pad is not None:
+        obj["obfuscation"] = pad  # OpenAI's: random characters, a random length
+    return orjson.dumps(obj)
+
+
+def _padded(content: str, pad: str) -> bytes:
+    return _chunk(content, pad=pad)
 
 
 def _feed(tap: StreamTap, payloads: list[bytes]) -> tuple[Any, ...]:
@@ -55,6 +63,16 @@ STREAMS = {
     "usage on a text chunk": [*PLAIN, _chunk(" u").replace(b'"usage":null', b'"usage":{"prompt_tokens":1}')],
     "content key in the text": [_chunk("x", role=True), _chunk('"content":"'), _chunk("content"), _chunk(" y")],
     "not an object": [*PLAIN, b"[1,2]", b'"text"', _chunk(" z")],
+    "padded": [_chunk("", role=True, pad="AAatV4uAp"), _padded("Once", "RmYFV8ad65HP9F"), _padded(" upon", ""),
+               _padded(" a", "x1"), _padded(" time", "Qz"), _chunk(None, finish="stop", pad="IPio8"), USAGE],
+    "padding not plain": [_padded("a", "x"), _padded("b", "yy"), _padded("c", 'q"q'), _padded("d", "p\\q"),
+                          _padded("e", "caf\u00e9"), _padded("f", "z").replace(b'"z"', b'"\xff"'),
+                          _padded("g", "z").replace(b'"z"', b'"\x01"'), _padded("h", "z")[:-2]],
+    "padding twice": [_padded("a", "x"), _padded("b", "y").replace(b"}", b',"obfuscation":"w"}', 1),
+                      _padded("c", "z")],
+    "padding before the text": [b'{"id":"c","obfuscation":"p","choices":[{"delta":{"content":"a"}}]}',
+                                b'{"id":"c","obfuscation":"q","choices":[{"delta":{"content":"bb"}}]}'],
+    "two choices taking turns": [_chunk(str(i), index=i % 2) for i in range(12)],
 }
 
 
@@ -72,6 +90,22 @@ def test_plain_text_chunks_are_read_from_the_template() -> None:
     for payload in PLAIN[:2]:
         tap.inspect(payload)
     assert tap._text_prefix is not None and tap._text_prefix.endswith(b'"content":"')
-    assert tap._text_suffix.startswith(b'"},"logprobs":null,"finish_reason":null}')
+    assert tap._text_rest.startswith(b'"},"logprobs":null,"finish_reason":null}') and tap._pad_tail is None
     tap.inspect(_chunk(" caf\u00e9"))
     assert tap.text_chars == len("Hello caf\u00e9") and tap.kept_text() == "Hello caf\u00e9"
+
+
+def test_openai_padding_is_left_free_by_the_template() -> None:
+    tap = StreamTap(client_wants_usage=False, keep_text=True)
+    tap.inspect(_padded("Once", "RmYFV8ad65HP9F"))
+    assert tap._text_rest.endswith(b'"obfuscation":"') and tap._pad_tail == b'"}'
+    prefix = tap._text_prefix
+    tap.inspect(_padded(" upon a", "x"))
+    assert tap._text_prefix is prefix and tap.kept_text() == "Once upon a"
+
+
+def test_a_stream_whose_chunks_never_fit_a_template_stops_taking_them() -> None:
+    tap = StreamTap(client_wants_usage=False)
+    for i in range(12):
+        tap.inspect(_chunk(str(i), index=i % 2))
+    assert tap._template_misses == 4 and tap.text_chars == 14
