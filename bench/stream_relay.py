@@ -10,7 +10,7 @@ S3, where chunks come 20 ms apart), the first event read by dispatch's ``_first_
 the breaker's ``_watch`` generator, the chat adapter's relay (``_ChatRelay`` over a
 ``StreamTap``) and a copy of the loop of ``pipeline._stream`` (its guard, cache, checks
 and capture hooks off, as in the bench), writing into a response that only counts what
-it is given. Each stream is S3's: the role chunk, 50 content chunks of ~150 bytes, the
+it is given. Each stream is S3's: the role chunk, 50 content chunks (236-byte events), the
 finish chunk, the usage chunk and ``[DONE]``, every chunk with ``"usage":null`` (the
 gateway always asks for usage). ``--hide-usage`` is a client that did not ask for it
 (``"usage":null`` stripped, the usage chunk hidden). ``--openai`` sends the chunks as
@@ -137,7 +137,8 @@ async def _relay_one(reads: list[bytes], parsed: Parsed, breaker: _Breaker, sink
     _watch(reply, first, "bench/stream", breaker)  # type: ignore[arg-type]
     relay = CHAT.relay(reply, parsed, False, 12)
     events: AsyncIterator[bytes] = reply.events  # type: ignore[assignment]
-    # pipeline._stream's loop, its hooks off (None in the bench).
+    # pipeline._stream's loop, its hooks off (None in the bench): their four tests are
+    # made per event, their bodies never run.
     screen = storable = checks = capture = None
     ending: list[bytes] = []
     async for event in events:
