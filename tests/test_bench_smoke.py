@@ -51,3 +51,13 @@ def test_the_guardrail_stream_measure_redacts_what_it_times() -> None:
     assert set(figures) == {"first_chunk_us", "per_chunk_us", "stream_us"}
     assert 0 < figures["first_chunk_us"] < figures["stream_us"]
     assert b"4111 1111 " in b"".join(stream_events())  # the stream does carry a card to catch
+
+
+def test_the_stream_relay_measure_checks_what_it_relays() -> None:
+    from bench.stream_relay import measure
+
+    # The measure refuses to report figures when usage, finish reason, id or bytes are wrong.
+    for hide_usage in (False, True):
+        for per_read, openai in ((1, False), (4, False), (1, True)):
+            figures = measure(streams=3, rounds=1, per_read=per_read, hide_usage=hide_usage, openai=openai)
+            assert figures["per_event_us"] > 0 and 0 < figures["writes_per_event"] <= 1

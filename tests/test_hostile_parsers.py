@@ -83,6 +83,15 @@ def test_sse_reader_never_loses_or_invents_bytes(data: bytes, cuts: list[int]) -
     assert all(e.endswith(b"\n\n") and e.strip() for e in events)
 
 
+@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([b"data: ", b"data:", b"event: e", b"x", b"[DONE]", b" ", b"\n", b"\r", b":"]),
+                max_size=12))
+def test_sse_reader_yields_a_read_of_one_event_as_the_general_path_does(parts: list[bytes]) -> None:
+    # A read that is one whole event takes the fast path; byte by byte takes the buffer's.
+    data = b"".join(parts) + b"\n\n"
+    assert _collect([data]) == _collect([data[i : i + 1] for i in range(len(data))])
+
+
 line_ends = st.sampled_from([b"\n", b"\r\n"])
 
 

@@ -7,6 +7,7 @@ asks for it) or, when cut short, it is estimated from the chunks that were deliv
 from __future__ import annotations
 
 import random
+import re
 import time
 import uuid
 from collections.abc import Mapping
@@ -94,16 +95,44 @@ def usage_from_answer(
     return usage, None
 
 
+#: A string of a content chunk as its template frames it: no quote, backslash or control
+#: character (JSON would have them escaped), so these bytes are the string itself, valid
+#: in JSON wherever another such string was (UTF-8 is checked by decoding).
+_PLAIN_STRING = re.compile(rb'[^"\\\x00-\x1f]*')
+_CONTENT_KEY = b'"content"'
+_CONTENT_OPENS = b'"content":"'
+#: OpenAI's ``obfuscation``: random characters of a random length in every chunk (after
+#: the choices), read by nobody; a template leaves its string free, as it does the text.
+_PAD_KEY = b'"obfuscation"'
+_PAD_OPENS = b'"obfuscation":"'
+#: Templates taken again (the previous one did not fit a chunk of the template's shape)
+#: before a stream's tap gives up on them: each costs a few finds; the parse is the same.
+_MAX_TEMPLATE_MISSES = 3
+
+
 class StreamTap:
     """Watches a relayed stream's chunks: ids, finish reasons, usage, delivered text.
 
     ``inspect`` is called once per ``data:`` payload and says whether to forward it:
     a usage-only chunk the client did not ask for is swallowed.
+
+    A provider sends its content chunks byte for byte alike but for the text (same id,
+    model, created, one choice, no finish reason, ``"usage":null``; OpenAI's random
+    ``obfuscation`` string aside). A chunk parsed whole that has that shape becomes the
+    template: its bytes around the text (and the padding). A later payload made of the
+    same bytes around strings that need no JSON escape is that same object with another
+    text, so it is accounted for without a parse (its text counted and kept, nothing else
+    changes); anything else is parsed as before. The result, malformed payloads included,
+    is what a parse of every payload gives.
     """
 
     __slots__ = (
         "_kept_text",
+        "_pad_tail",
         "_saw_usage",
+        "_template_misses",
+        "_text_prefix",
+        "_text_rest",
         "chunks",
         "client_wants_usage",
         "done",
@@ -131,6 +160,12 @@ class StreamTap:
         self._saw_usage = False
         #: The delivered text, kept only when content capture is on (CAPTURE_GENAI_CONTENT).
         self._kept_text: list[str] | None = [] if keep_text else None
+        #: The template content chunk's bytes before its text (None: no template), after it
+        #: (to the end, or to its padding's string), and after the padding (None: none).
+        self._text_prefix: bytes | None = None
+        self._text_rest = b""
+        self._pad_tail: bytes | None = None
+        self._template_misses = 0
 
     def inspect(self, data: bytes) -> bool:
         """Account for one payload; returns False if it must not reach the client."""
@@ -140,6 +175,26 @@ class StreamTap:
         if self.first_chunk_at is None:
             self.first_chunk_at = time.monotonic()
         self.chunks += 1
+        prefix = self._text_prefix
+        if prefix is not None and data.startswith(prefix):
+            # Inline (not a method): this is most chunks of most streams.
+            start, rest = len(prefix), self._text_rest
+            if self._pad_tail is None:
+                end = len(data) - len(rest)
+                fits = end >= start and data.endswith(rest)
+            else:
+                end = data.find(b'"', start)  # the text's closing quote: a plain text has none of its own
+                fits = end >= 0 and data.startswith(rest, end) and self._padded(data, end)
+            if fits and _PLAIN_STRING.fullmatch(data, start, end):
+                try:
+                    text = data[start:end].decode()
+                except UnicodeDecodeError:
+                    pass  # not UTF-8: the parse below says it is malformed
+                else:
+                    self.text_chars += len(text)
+                    if self._kept_text is not None:
+                        self._kept_text.append(text)
+                    return True
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -167,7 +222,55 @@ class StreamTap:
             self._saw_usage = self.usage.absorb(obj) or self._saw_usage
             if not self.client_wants_usage and choices == []:
                 return False
+        elif (self.response_id is not None and isinstance(choices, list) and len(choices) == 1
+              and self._template_misses <= _MAX_TEMPLATE_MISSES):
+            self._learn_template(data, choices[0])
         return True
+
+    def _padded(self, data: bytes, end: int) -> bool:
+        """Whether ``data`` goes on from its text (closed at ``end``) as the template's
+        padding does: the bytes to the padding's string, a plain string, the tail."""
+        tail = self._pad_tail
+        assert tail is not None
+        after = end + len(self._text_rest)
+        pad_end = data.find(b'"', after)
+        if pad_end < 0 or pad_end + len(tail) != len(data) or not data.startswith(tail, pad_end) \
+                or not _PLAIN_STRING.fullmatch(data, after, pad_end):
+            return False
+        if not data.isascii():
+            try:
+                data[after:pad_end].decode()
+            except UnicodeDecodeError:
+                return False  # not UTF-8: the parse says it is malformed
+        return True
+
+    def _learn_template(self, data: bytes, choice: Any) -> None:
+        """Take ``data`` as the template of content chunks if it is one: a single choice
+        with a text delta and no finish reason, no usage or cost (the caller checked), the
+        text's key and the text written plainly (no escape anywhere, one ``"content"``),
+        and OpenAI's padding, if any, after the text."""
+        if not isinstance(choice, dict) or isinstance(choice.get("finish_reason"), str):
+            return
+        delta = choice.get("delta")
+        content = delta.get("content") if isinstance(delta, dict) else None
+        if not isinstance(content, str) or b"\\" in data or data.count(_CONTENT_KEY) != 1:
+            return
+        start = data.find(_CONTENT_OPENS)
+        if start < 0:
+            return
+        start += len(_CONTENT_OPENS)
+        end = data.find(b'"', start)
+        if data[start:end] != content.encode():
+            return
+        rest, tail = data[end:], None
+        at = data.find(_PAD_OPENS, end)
+        if at >= 0 and data.count(_PAD_KEY) == 1:
+            # Whatever string it holds (no escape: it is the key), nothing the tap reads changes.
+            pad = at + len(_PAD_OPENS)
+            rest, tail = data[end:pad], data[data.find(b'"', pad) :]
+        if self._text_prefix is not None:
+            self._template_misses += 1  # the one before did not fit a chunk of its shape
+        self._text_prefix, self._text_rest, self._pad_tail = data[:start], rest, tail
 
     def kept_text(self) -> str | None:
         """The delivered text if ``keep_text`` was asked for, else None."""

