@@ -359,13 +359,21 @@ class BreakerActor(Actor[Permit | Report | Reconfigure]):
         return Permission(True, probe=True)
 
     def applies_now(self, deployment: str) -> bool:
-        """Whether a success on ``deployment`` changes nothing but its health sample:
-        its circuit is closed with no failure counted (see :meth:`BreakerHandle.report`)."""
+        """Whether a success on ``deployment`` changes nothing but its health sample: its
+        circuit is closed with no failure counted (see :meth:`BreakerHandle.report`). The
+        published entry says so: every change of a circuit rewrites it (:meth:`_report`)."""
         health = self._table.get(deployment)
-        if health is None or health.state is not CircuitState.CLOSED or health.failures:
-            return False
-        circuit = self._circuits.get(deployment)
-        return circuit is not None and circuit.breaker.fail_counter == 0
+        return health is not None and health.state is CircuitState.CLOSED and not health.failures
+
+    def fold_success(self, deployment: str, latency: float | None, ttft: float | None, now: float) -> None:
+        """What :meth:`_report` does for a success where :meth:`applies_now`: pybreaker's
+        count is zero and stays so (nothing to replay), so only the samples move."""
+        h = self._table[deployment]
+        self._table[deployment] = Health(
+            CircuitState.CLOSED, 0, 0.0, h.cooling_until, h.probe_until, h.probe_token,
+            _ewma(h.latency, latency), _ewma(h.ttft, ttft), h.error_rate - ERROR_ALPHA * h.error_rate,
+            h.calls + 1, now,
+        )
 
     def _report(self, msg: Report, now: float) -> None:
         health = self._table.get(msg.deployment, _CLOSED)
@@ -566,7 +574,6 @@ class BreakerHandle:
         ``will_retry``: a failed attempt the caller sends again to the same deployment,
         so the call counts once toward ``fail_max``, by its last attempt.
         """
-        report = Report(deployment, outcome, token, latency, ttft, retry_after, will_retry)
         if outcome is Outcome.SUCCESS and token == 0 and self._actor.running and self._actor.applies_now(deployment):
             # The common case, a success on a closed circuit with nothing counted against
             # it, only folds a latency sample into the published entry: done here, in the
@@ -574,10 +581,10 @@ class BreakerHandle:
             # Asyncio runs one callback at a time and _report never awaits, so this is as
             # atomic as the actor's own loop; anything that may change a circuit still
             # goes through the mailbox, in order.
-            self._actor._report(report, time.monotonic())
+            self._actor.fold_success(deployment, latency, ttft, time.monotonic())
             return
         try:
-            self._ref.tell(report)
+            self._ref.tell(Report(deployment, outcome, token, latency, ttft, retry_after, will_retry))
         except ActorError:
             self.dropped_reports += 1
 

@@ -358,3 +358,32 @@ async def test_a_failed_call_with_retries_counts_once_toward_fail_max(
     resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="m"), headers=auth(api_key))
     assert resp.status == 503 and (await resp.json())["error"]["code"] == "circuit_open"
     assert await served_by(fake) == [9]  # open: the provider is left alone
+
+
+async def test_a_success_on_a_clean_closed_circuit_is_folded_in_at_once_as_the_actor_would() -> None:
+    """The handle applies such a success in the caller's task (no hop): the entry must be
+    the one the actor's own report would publish, and anything else must still queue."""
+    from actors.breaker import Report
+
+    settings = BreakerSettings(fail_max=3, reset_timeout=30)
+    inline, queued = BreakerActor(settings), BreakerActor(settings)
+    supervisor = Supervisor()
+    handle = BreakerHandle(inline, await supervisor.start(inline))
+    try:
+        now = 100.0
+        for actor in (inline, queued):  # a first failure and a success: a history, then clean
+            actor._report(Report(DEP, Outcome.FAILURE, 0, None, None, None, False), now)
+            actor._report(Report(DEP, Outcome.SUCCESS, 0, 0.2, None, None, False), now)
+        assert inline.applies_now(DEP) and handle.health(DEP).failures == 0
+        for i, (latency, ttft) in enumerate([(0.1, None), (None, 0.05), (0.3, 0.02)]):
+            inline.fold_success(DEP, latency, ttft, now + i)
+            queued._report(Report(DEP, Outcome.SUCCESS, 0, latency, ttft, None, False), now + i)
+            assert inline.view[DEP] == queued.view[DEP]
+        handle.report(DEP, Outcome.SUCCESS, latency=0.1)  # applied before report() returns
+        assert handle.health(DEP).calls == queued.view[DEP].calls + 1
+        handle.report(DEP, Outcome.FAILURE)  # a failure is the actor's: it waits in the mailbox
+        assert handle.health(DEP).failures == 0
+        await settle(handle)
+        assert handle.health(DEP).failures == 1 and not inline.applies_now(DEP)
+    finally:
+        await supervisor.stop()
