@@ -129,6 +129,17 @@ class JsonFormatter(logging.Formatter):
         super().__init__()
         self.redactor = redactor or Redactor()
 
+    def fields_line(
+        self, name: str, msg: str, fields: dict[str, Any], created: float, request_id: str | None
+    ) -> str:
+        """The line :meth:`format` makes of an INFO record with these and nothing else
+        (no args, extras, traceback): what :func:`log_fields` hands the writer ready-made."""
+        out: dict[str, Any] = {"ts": _iso(created), "level": "info", "logger": name, "msg": msg}
+        if request_id is not None:
+            out["request_id"] = request_id
+        out.update(fields)
+        return self.redactor(orjson.dumps(out, default=str).decode())
+
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": _iso(record.created),
@@ -186,7 +197,8 @@ class _HandOff(logging.handlers.QueueHandler):
 
     def __init__(self, records: queue.SimpleQueue[Any]) -> None:
         super().__init__(records)
-        self._batch: list[logging.LogRecord] = []
+        #: Records, and lines :func:`log_fields` made ready (str), in the order logged.
+        self._batch: list[logging.LogRecord | str] = []
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         # No copy: this is the root's only handler, and the record is not used after.
@@ -199,7 +211,7 @@ class _HandOff(logging.handlers.QueueHandler):
             record.request_id = _REQUEST_ID.get()
         return record
 
-    def enqueue(self, record: logging.LogRecord) -> None:
+    def enqueue(self, record: logging.LogRecord | str) -> None:
         """Batch records logged on an event loop; hand others off at once, in order.
 
         Every handoff wakes the writer thread, which then competes with the loop for the
@@ -226,8 +238,11 @@ class _HandOff(logging.handlers.QueueHandler):
             self.queue.put_nowait(batch)
 
 
-#: The hand-off :func:`configure_logging` installed (None: logging is someone else's).
+#: The hand-off :func:`configure_logging` installed (None: logging is someone else's), and
+#: the JSON formatter of its writer (None: the text format), which :func:`log_fields` uses
+#: to make its lines on the loop.
 _installed: _HandOff | None = None
+_installed_json: JsonFormatter | None = None
 #: The attributes ``logging`` itself puts on an INFO record made without a caller, thread
 #: or process (configure_logging switches those off); :func:`log_fields` sets the rest.
 _PLAIN_RECORD = {
@@ -252,6 +267,12 @@ def log_fields(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> None
     handoff = _installed
     if handoff is None or not _reaches_only(logger, handoff):
         logger.info(msg, extra={"fields": fields})
+        return
+    formatter = _installed_json
+    if formatter is not None:
+        # The line itself, made here (~3 µs) rather than a record the writer formats
+        # (~1.5 µs here and ~4 µs there, with the GIL): the writer only writes it.
+        handoff.enqueue(formatter.fields_line(logger.name, msg, fields, time.time(), _REQUEST_ID.get()))
         return
     record = logging.LogRecord.__new__(logging.LogRecord)
     created = time.time()
@@ -282,9 +303,12 @@ def _reaches_only(logger: logging.Logger, handoff: _HandOff) -> bool:
 
 
 class _Writer(logging.handlers.QueueListener):
-    """The writer thread: takes single records and batches of them."""
+    """The writer thread: takes single records and batches of them (records, or lines
+    :func:`log_fields` made ready when the writer is configure_logging's own JSON one)."""
 
     def handle(self, record: Any) -> None:
+        if isinstance(record, str):
+            record = [record]
         if not isinstance(record, list):
             super().handle(record)
             return
@@ -296,7 +320,7 @@ class _Writer(logging.handlers.QueueListener):
                     handler.handle(one)
 
 
-def _write_batch(handler: logging.StreamHandler[Any], records: list[logging.LogRecord]) -> None:
+def _write_batch(handler: logging.StreamHandler[Any], records: list[logging.LogRecord | str]) -> None:
     """Format a whole batch, then write it at once.
 
     Line by line, each write released the GIL and handed the core back and forth with
@@ -304,6 +328,9 @@ def _write_batch(handler: logging.StreamHandler[Any], records: list[logging.LogR
     """
     lines: list[str] = []
     for record in records:
+        if isinstance(record, str):
+            lines.append(record)
+            continue
         try:
             lines.append(handler.format(record))
         except Exception:  # noqa: BLE001 - logging's own contract: report, never raise
@@ -316,7 +343,8 @@ def _write_batch(handler: logging.StreamHandler[Any], records: list[logging.LogR
             handler.stream.write(text)
             handler.flush()
         except Exception:  # noqa: BLE001 - logging's own contract: report, never raise
-            handler.handleError(records[-1])
+            last = records[-1]
+            handler.handleError(last if isinstance(last, logging.LogRecord) else logging.makeLogRecord({"msg": last}))
 
 
 class LogSetup:
@@ -360,8 +388,9 @@ def configure_logging(level: str = "info", fmt: str = "json", stream: TextIO | N
         root.removeHandler(old)
     handoff = _HandOff(records)
     root.addHandler(handoff)
-    global _installed
+    global _installed, _installed_json
     _installed = handoff
+    _installed_json = writer.formatter if isinstance(writer.formatter, JsonFormatter) else None
     root.setLevel(getattr(logging, level.upper()))
     # Neither format shows where a call was made from, nor thread or process names: skip
     # computing them for every record (the logging HOWTO's "Optimization" switches).
