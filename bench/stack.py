@@ -253,6 +253,9 @@ class StackOptions:
     #: Give the bench key its USD 1,000,000 budget (a reservation on every call); False
     #: (``--no-budget``) measures what the budget costs.
     key_budget: bool = True
+    #: The source tree the gateway (and the fakes, relay and key command) run from: another
+    #: checkout measures another build with this bench (``bench.server_cpu``'s A/B pairs).
+    repo: Path = REPO
 
 
 def key_create_argv(*, budget: bool) -> list[str]:
@@ -369,7 +372,7 @@ class Stack:
         log_path = self.workdir / f"{name}.log"
         with log_path.open("wb") as log:
             popen = subprocess.Popen(
-                argv, cwd=str(REPO), env=env or self._base_env(), stdout=log, stderr=subprocess.STDOUT,
+                argv, cwd=str(self.options.repo), env=env or self._base_env(), stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
         proc = Proc(name, popen, log_path)
@@ -379,7 +382,7 @@ class Stack:
     def _base_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OTEL_"))}
         env["PYTHONUNBUFFERED"] = "1"
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = str(self.options.repo) + os.pathsep + env.get("PYTHONPATH", "")
         return env
 
     async def _create_database(self) -> None:
@@ -399,7 +402,7 @@ class Stack:
         env = {**self._base_env(), "DATABASE_URL": self.database_url}
         argv = key_create_argv(budget=self.options.key_budget)
         proc = await asyncio.create_subprocess_exec(
-            *argv, cwd=str(REPO), env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            *argv, cwd=str(self.options.repo), env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
         )
         out, err = await proc.communicate()
         if proc.returncode != 0:

@@ -61,3 +61,21 @@ def test_the_stream_relay_measure_checks_what_it_relays() -> None:
         for per_read, openai in ((1, False), (4, False), (1, True)):
             figures = measure(streams=3, rounds=1, per_read=per_read, hide_usage=hide_usage, openai=openai)
             assert figures["per_event_us"] > 0 and 0 < figures["writes_per_event"] <= 1
+
+
+async def test_server_cpu_alternates_variants_and_refuses_what_is_not_a_tree(
+    pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import argparse
+
+    from bench.server_cpu import main, parse_variant
+
+    monkeypatch.setenv("BENCH_PG_ADMIN_DSN", pg_admin_dsn)
+    quiet = parse_variant(f"quiet={REPO}:LOG_LEVEL=warning,BILLING_FSYNC_INTERVAL_SECONDS=0.02")
+    assert quiet.repo == REPO and quiet.env == {"LOG_LEVEL": "warning", "BILLING_FSYNC_INTERVAL_SECONDS": "0.02"}
+    for bad in ("no-equals", f"x={tmp_path}", f"x={REPO}:NOVALUE"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_variant(bad)
+    figures = await main(["--seconds", "1", "--pairs", "1", "--no-budget",
+                          "--variant", f"here={REPO}", "--variant", f"quiet={REPO}:LOG_LEVEL=warning"])
+    assert list(figures) == ["here", "quiet"] and all(len(v) == 1 and v[0] > 0 for v in figures.values())

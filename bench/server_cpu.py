@@ -1,0 +1,114 @@
+"""Server CPU per request of one or more gateway builds, in alternated passes: an A/B test.
+
+    python -m bench.server_cpu [--stream] [--seconds S] [--pairs N] [--no-budget] \\
+        --variant NAME=TREE[:VAR=VALUE,...] [--variant ...]
+    (or, from the repository root: PYTHONPATH=. python bench/server_cpu.py ...)
+
+A change of a few microseconds per request is below what one full ``python -m bench`` run
+can tell apart on a small shared machine. This drives S1's load (32 concurrent
+non-streaming calls, ``fast`` upstream) or, with ``--stream``, S3's (64 concurrent streams
+of 50 chunks 20 ms apart) at one gateway at a time, started from each variant's source
+tree (another checkout, e.g. a ``git worktree`` of the commit before a change) and with
+its extra environment (``LOG_LEVEL=warning`` to measure what logging costs), and reads
+the gateway process's CPU over ``S`` measured seconds after a 2 s warm-up. Variants take
+turns ``N`` times (A B A B ...), so a neighbour's noise lands on both; each pass prints its
+figure and the end the median per variant. The gateway is pinned to one CPU and the
+driver and fake provider to the other, as in ``python -m bench``.
+
+Examples::
+
+    git worktree add /tmp/before HEAD~1
+    python -m bench.server_cpu --variant before=/tmp/before --variant after=.
+    python -m bench.server_cpu --no-budget --variant logs=. --variant quiet=.:LOG_LEVEL=warning
+
+PostgreSQL as for ``python -m bench`` (``BENCH_PG_ADMIN_DSN``); each pass has its own
+scratch database, dropped at its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.driver import closed_loop
+from bench.scenarios import RunContext, profiles_for, stream_body, whole_body
+from bench.stack import ProcWatch, Stack, StackOptions
+
+__all__ = ["Variant", "main", "measure", "parse_variant"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    repo: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def parse_variant(spec: str) -> Variant:
+    """``NAME=TREE[:VAR=VALUE,...]``."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not rest:
+        raise argparse.ArgumentTypeError(f"--variant {spec!r}: expected NAME=TREE[:VAR=VALUE,...]")
+    tree, _, env_text = rest.partition(":")
+    env: dict[str, str] = {}
+    for item in filter(None, env_text.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise argparse.ArgumentTypeError(f"--variant {spec!r}: {item!r} is not VAR=VALUE")
+        env[key] = value
+    repo = Path(tree).expanduser().resolve()
+    if not (repo / "gateway" / "__main__.py").is_file():
+        raise argparse.ArgumentTypeError(f"--variant {spec!r}: {repo} is not a gateway source tree")
+    return Variant(name, repo, env)
+
+
+async def measure(variant: Variant, *, stream: bool, seconds: float, budget: bool) -> tuple[float, float]:
+    """One pass: (server CPU µs per request, requests/s)."""
+    profile = profiles_for(False)["stream" if stream else "fast"]
+    options = StackOptions(profiles=(profile,), bare=False, gateway_env=variant.env, key_budget=budget, repo=variant.repo)
+    async with Stack(options) as stack:
+        assert stack.gateway is not None
+        ctx = RunContext(stack, False)
+        call = ctx.call("gateway", profile, stream_body(profile, 50) if stream else whole_body(profile))
+        concurrency = 64 if stream else 32
+        await closed_loop(lambda _i: call, concurrency=concurrency, duration=2.0, warmup=0.5)
+        async with ProcWatch(stack.gateway.pid).window() as window:
+            result = await closed_loop(lambda _i: call, concurrency=concurrency, duration=seconds, warmup=0.5)
+    if not result.ok:
+        raise RuntimeError(f"{variant.name}: no request succeeded ({dict(result.errors)})")
+    return 1e6 * window.cpu / result.ok, result.rps
+
+
+async def main(argv: list[str] | None = None) -> dict[str, list[float]]:
+    parser = argparse.ArgumentParser(prog="python -m bench.server_cpu", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", type=parse_variant, action="append", required=True,
+                        help="NAME=TREE[:VAR=VALUE,...] (repeat; variants alternate)")
+    parser.add_argument("--stream", action="store_true", help="S3's streams instead of S1's whole calls")
+    parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per pass (default 8)")
+    parser.add_argument("--pairs", type=int, default=3, help="passes per variant (default 3, at most 20)")
+    parser.add_argument("--no-budget", action="store_true", help="the bench key without its budget")
+    args = parser.parse_args(argv)
+    variants: list[Variant] = args.variant
+    names = [v.name for v in variants]
+    if len(set(names)) != len(names):
+        parser.error("variant names must differ")
+    unit = "stream" if args.stream else "request"
+    figures: dict[str, list[float]] = {v.name: [] for v in variants}
+    for round_ in range(max(1, min(args.pairs, 20))):
+        for variant in variants:
+            cpu, rps = await measure(variant, stream=args.stream, seconds=max(1.0, args.seconds),
+                                     budget=not args.no_budget)
+            figures[variant.name].append(cpu)
+            print(f"pass {round_ + 1} {variant.name}: {cpu:,.1f} µs of server CPU per {unit} ({rps:,.0f}/s)", flush=True)
+    for name, values in figures.items():
+        print(f"{name}: median {statistics.median(values):,.1f} µs per {unit} "
+              f"(min {min(values):,.1f}, max {max(values):,.1f}, {len(values)} passes)")
+    return figures
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
