@@ -194,6 +194,24 @@ async def test_log_fields_writes_the_line_logger_info_would_and_stays_visible_to
     assert third["status"] == 201 and [r.fields for r in seen] == [{"status": 201}]  # type: ignore[attr-defined]
 
 
+async def test_log_fields_in_the_text_format_writes_the_standard_line() -> None:
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    out = io.StringIO()
+    setup = configure_logging("info", "text", stream=out)
+    try:
+        log_fields(logging.getLogger("gateway.test.text"), "access", {"status": 200, "key": "sk-abcdefghijklmnop"})
+    finally:
+        setup.stop()
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+        for handler in saved_handlers:
+            root.addHandler(handler)
+        root.setLevel(saved_level)
+    [line] = out.getvalue().splitlines()
+    assert line.endswith("INFO gateway.test.text: access status=200 key=sk-[REDACTED]"), line
+
+
 async def test_served_process_logs_json_without_secrets(process_factory: Any, fake: FakeUpstream, api_key: str) -> None:
     admin_token = "admin-token-that-must-not-leak"
     gp = await process_factory(
