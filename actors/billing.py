@@ -164,6 +164,8 @@ class BillingActor(Actor[Flush | Spend | Settle]):
         drain_timeout: float = 5.0,
         reservations: ReservationStore | None = None,
         reservation_ttl: float = 600.0,
+        lease_fraction: float = 0.0,
+        lease_seconds: float = 1.0,
     ) -> None:
         self.mailbox_size = mailbox_size
         super().__init__()
@@ -182,7 +184,8 @@ class BillingActor(Actor[Flush | Spend | Settle]):
         #: Read-only view the budget gate reads (no hop, no database trip).
         self.subject_budgets: Mapping[uuid.UUID, tuple[Decimal, str]] = MappingProxyType(self._subject_budgets)
         self.gate = BudgetGate(
-            reservations or PostgresReservations(pool), ttl=reservation_ttl, subject_budgets=self.subject_budgets
+            reservations or PostgresReservations(pool), ttl=reservation_ttl, subject_budgets=self.subject_budgets,
+            lease_fraction=lease_fraction, lease_seconds=lease_seconds,
         )
         self._settling: set[asyncio.Task[None]] = set()
         self._budgeted_keys = 0
@@ -241,6 +244,8 @@ class BillingActor(Actor[Flush | Spend | Settle]):
                 journal.pending_events, journal.directory,
             )
         journal.close()
+        # After the last ship: a PostgreSQL lease is released once its calls are ledgered.
+        await self.gate.leases.close()
 
     # -- messages -----------------------------------------------------------------------
     async def receive(self, msg: Flush | Spend | Settle) -> Any:
@@ -476,8 +481,8 @@ class BillingHandle:
 
     def settle(self, reservation: Reservation | None, call: CallRecord) -> None:
         """The call ended (its cost settled): release what it held. Never waits."""
-        if reservation is None or not self._gate.store.settles_explicitly:
-            return  # no budget, or the ledger row settles it (PostgreSQL)
+        if reservation is None or self._gate.settles_at_once(reservation, call.cost_micro_usd):
+            return  # no budget, a lease's call, or the ledger row settles it (PostgreSQL)
         try:
             self._ref.tell(Settle(reservation, call.cost_micro_usd))
         except (MailboxFull, ActorStopped):

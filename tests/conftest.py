@@ -33,10 +33,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.auth.keys import KeyPolicy, KeyStore
+from gateway.billing.reservations import PostgresReservations, RedisReservations, connect_reservation_pool
 from gateway.core.config import GatewayConfig, load_config, load_settings
 from gateway.core.db import migrate
 from gateway.edge.app import DATA_SERVER_OPTIONS, build_data_app, build_management_app, gateway_state
 from gateway.testing.fake_provider import FakeConfig, make_app
+from tests import budget_stores
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -432,3 +434,26 @@ def redis_via(redis_url: str, proxy_port: int) -> str:
 
     parts = urlsplit(redis_url)
     return urlunsplit((parts.scheme, f"127.0.0.1:{proxy_port}", parts.path, parts.query, ""))
+
+
+@pytest.fixture
+async def make_store(database_url: str, db_pool: asyncpg.Pool, redis_url: str) -> AsyncIterator[Callable[..., Any]]:
+    """Budget stores on the test PostgreSQL and Redis (tests/budget_stores.py), closed after the test."""
+    stores: list[Any] = []
+
+    async def make(kind: str, faults: budget_stores.Faults) -> PostgresReservations | RedisReservations:
+        store: PostgresReservations | RedisReservations
+        if kind == "postgresql":
+            own = budget_stores.CountingPool(await connect_reservation_pool(database_url, max_size=4), faults)
+            store = PostgresReservations(db_pool, own_pool=own)  # type: ignore[arg-type]
+        else:
+            client = budget_stores.CountingRedis.from_url(redis_url)
+            client.faults = faults
+            store = RedisReservations(client, db_pool, prefix=f"test-{uuid.uuid4().hex[:8]}:budget")
+            client.reserve_sha = store._reserve_script.sha
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        await store.close()

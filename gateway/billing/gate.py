@@ -10,6 +10,9 @@ asks the shared store to admit it, and answers the contract's errors:
 * 503 ``budget_unavailable`` when the shared store cannot be reached: budgeted keys fail
   closed, since admitting them blind could overshoot (keys without a budget never wait
   on the store at all).
+
+A call small against its budgets is held in a lease of this process instead of a
+reservation of its own (:mod:`gateway.billing.leases`): no round trip for most calls.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from decimal import Decimal
 
+from gateway.billing.leases import BudgetLeases
 from gateway.billing.reservations import (
     Budget,
     Reservation,
@@ -48,10 +52,12 @@ class BudgetGate:
     """Reservations for calls of budgeted keys and subjects; nothing for the others."""
 
     def __init__(
-        self, store: ReservationStore, *, ttl: float, subject_budgets: Mapping[uuid.UUID, tuple[Decimal, str]]
+        self, store: ReservationStore, *, ttl: float, subject_budgets: Mapping[uuid.UUID, tuple[Decimal, str]],
+        lease_fraction: float = 0.0, lease_seconds: float = 1.0,
     ) -> None:
         self.store = store
         self.ttl = ttl
+        self.leases = BudgetLeases(store, ttl=ttl, fraction=lease_fraction, seconds=lease_seconds)
         #: Subject → (USD, period): the billing actor's published view, refreshed each second.
         self._subject_budgets = subject_budgets
         #: The budgets of a call, by everything they depend on: the same for every call of
@@ -84,9 +90,14 @@ class BudgetGate:
                 "counted; the operator must set a price for it (models[].deployments[].price)"
             )
         amount = worst_case_micro_usd(prompt_bound, output_cap, [p for p in prices if p is not None])
+        lease_size = self.leases.size_for(budgets, amount)
+        if lease_size and (held := self.leases.take(budgets, amount, call_id)) is not None:
+            return held  # the common case of a busy key: no I/O, no timer
         reservation = Reservation(call_id, amount, budgets)
         try:
             async with asyncio.timeout(RESERVE_TIMEOUT):
+                if lease_size and (held := await self.leases.acquire(budgets, amount, call_id, lease_size)):
+                    return held
                 refused = await self.store.reserve(reservation, self.ttl)
         except Exception as exc:
             log.warning("billing: budget store unreachable (%s: %s); budgeted calls refused",
@@ -97,6 +108,8 @@ class BudgetGate:
             ) from exc
         if refused is None:
             return reservation
+        if lease_size and (held := self.leases.take(budgets, amount, call_id)) is not None:
+            return held  # a lease of ours granted meanwhile holds what the store had left
         budget = budgets[refused]
         whose = "this key's budget" if budget.scope == "key" else "the budget of this key's subject"
         raise BudgetExceeded(
@@ -107,6 +120,15 @@ class BudgetGate:
 
     async def settle(self, reservation: Reservation, cost_micro_usd: int) -> None:
         await self.store.settle(reservation, cost_micro_usd)
+
+    def settles_at_once(self, reservation: Reservation, cost_micro_usd: int) -> bool:
+        """Settle without I/O where that is all it takes: a call held in a lease (its
+        lease counts the cost), or a PostgreSQL reservation (its ledger row releases it).
+        False: :meth:`settle` must run (Redis)."""
+        if reservation.lease is not None:
+            self.leases.finish(reservation, cost_micro_usd)
+            return True
+        return not self.store.settles_explicitly
 
     def _budgets_of(
         self, api_key_id: uuid.UUID, key_budget: tuple[Decimal, str] | None, subject_id: uuid.UUID,

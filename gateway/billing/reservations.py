@@ -36,13 +36,16 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from decimal import ROUND_CEILING, Decimal
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import asyncpg
 import orjson
 
 from gateway.billing.coalesce import Coalescer
 from gateway.core.config import Price
+
+if TYPE_CHECKING:
+    from gateway.billing.leases import Lease
 
 __all__ = [
     "DEFAULT_OUTPUT_CAP",
@@ -141,11 +144,14 @@ class Budget:
 
 @dataclass(frozen=True, slots=True)
 class Reservation:
-    """What was held for one call (its ``call_id``) and against which budgets."""
+    """What was held for one call (its ``call_id``) and against which budgets; or a
+    lease's own reservation (gateway/billing/leases.py)."""
 
     reservation_id: uuid.UUID
     amount_micro_usd: int
     budgets: tuple[Budget, ...]
+    #: The lease this call's hold was drawn from (no reservation of its own in the store).
+    lease: Lease | None = None
 
 
 class ReservationStore(Protocol):
@@ -158,6 +164,14 @@ class ReservationStore(Protocol):
 
     async def settle(self, reservation: Reservation, cost_micro_usd: int) -> None:
         """Release the reservation and count the call's real cost."""
+
+    async def resize(self, lease: Reservation, amount_micro_usd: int) -> None:
+        """Hold ``amount_micro_usd`` for a lease from now on (what its calls still need)."""
+
+    async def release_lease(self, lease: Reservation, spent_micro_usd: int, costly_calls: Sequence[uuid.UUID]) -> bool:
+        """A lease whose calls have all ended, at ``spent_micro_usd`` in all: release it.
+        False when it must wait (PostgreSQL: a call in ``costly_calls`` is not in the
+        ledger yet, so the lease keeps holding what they spent; asked again later)."""
 
     async def close(self) -> None:
         """Let go of connections the store opened itself."""
@@ -281,6 +295,21 @@ class PostgresReservations:
     async def settle(self, reservation: Reservation, cost_micro_usd: int) -> None:
         """Nothing to do: the call's ledger row releases it (see sql/0010)."""
 
+    async def resize(self, lease: Reservation, amount_micro_usd: int) -> None:
+        async with asyncio.timeout(ROUND_TRIP_TIMEOUT):
+            await (self._own_pool or self._pool).execute(
+                "UPDATE budget_reservations SET amount_micro_usd = $2 WHERE reservation_id = $1",
+                lease.reservation_id, amount_micro_usd)
+
+    async def release_lease(self, lease: Reservation, spent_micro_usd: int, costly_calls: Sequence[uuid.UUID]) -> bool:
+        """Delete the lease once every call of it that cost something is in the ledger (its
+        trigger has added the cost to budget_spend); until then hold just what they spent.
+        One statement: the check and the delete see one snapshot."""
+        async with asyncio.timeout(ROUND_TRIP_TIMEOUT):
+            missing = await (self._own_pool or self._pool).fetchval(_RELEASE_LEASE_SQL, lease.reservation_id,
+                                                                    list(costly_calls), spent_micro_usd)
+        return int(missing) == 0
+
     async def close(self) -> None:
         """Close the store's own pool (the shared one is the gateway's)."""
         await self.batcher.close()
@@ -289,6 +318,19 @@ class PostgresReservations:
             own, self._own_pool = self._own_pool, None
             await own.close()
 
+
+# $1 the lease, $2 the calls of it that cost something, $3 what they spent (micro-USD).
+_RELEASE_LEASE_SQL = """
+WITH missing AS (
+  SELECT count(*) AS calls FROM unnest($2::uuid[]) AS c(call_id)
+  WHERE NOT EXISTS (SELECT 1 FROM usage_ledger l WHERE l.call_id = c.call_id)
+), released AS (
+  DELETE FROM budget_reservations WHERE reservation_id = $1 AND (SELECT calls FROM missing) = 0
+), kept AS (
+  UPDATE budget_reservations SET amount_micro_usd = $3 WHERE reservation_id = $1 AND (SELECT calls FROM missing) > 0
+)
+SELECT calls FROM missing
+"""
 
 # KEYS: one hash per budget (field "spent", fields "r:<id>" = reserved micro-USD) and one
 # sorted set of reservation expiries per budget, interleaved: h1, z1, h2, z2, ...
@@ -371,6 +413,15 @@ end
 return calls
 """
 
+# KEYS: the lease's budget hashes; ARGV: its id, the amount it holds from now on (kept
+# only where the lease is still held: never revived once expired or settled).
+_RESIZE_LUA = """
+for i = 1, #KEYS do
+  if redis.call('HEXISTS', KEYS[i], 'r:' .. ARGV[1]) == 1 then redis.call('HSET', KEYS[i], 'r:' .. ARGV[1], ARGV[2]) end
+end
+return #KEYS
+"""
+
 #: How long Redis keeps a period's spend after the period began (then it is only history).
 _KEEP_SECONDS = {"day": 2 * 86400, "month": 33 * 86400, "total": 0}
 
@@ -388,6 +439,7 @@ class RedisReservations:
         self._prefix = prefix
         self._reserve_script = redis.register_script(_RESERVE_LUA)
         self._settle_script = redis.register_script(_SETTLE_LUA)
+        self._resize_script = redis.register_script(_RESIZE_LUA)
         self.batcher: Coalescer[tuple[Reservation, float], int] = Coalescer(
             self._reserve_round_trip, max_batch=max_batch, timeout=ROUND_TRIP_TIMEOUT, lost=self._release_lost,
             name="Redis budget store",
@@ -442,6 +494,15 @@ class RedisReservations:
 
     async def settle(self, reservation: Reservation, cost_micro_usd: int) -> None:
         await self.settle_batcher.submit((reservation, cost_micro_usd))
+
+    async def resize(self, lease: Reservation, amount_micro_usd: int) -> None:
+        keys = [f"{self._prefix}:{b.redis_name}" for b in lease.budgets]
+        await self._resize_script(keys=keys, args=[str(lease.reservation_id), amount_micro_usd])
+
+    async def release_lease(self, lease: Reservation, spent_micro_usd: int, costly_calls: Sequence[uuid.UUID]) -> bool:
+        """Settled like one call's reservation, at the sum of its calls' real costs."""
+        await self.settle(lease, spent_micro_usd)
+        return True
 
     async def _settle_round_trip(self, items: list[tuple[Reservation, int]]) -> list[None]:
         plan = _Plan([r for r, _ in items])

@@ -74,6 +74,10 @@ class Settings:
     billing_fsync_interval: float = 0.005
     #: How long a budget reservation of a process that died holds before it expires.
     budget_reservation_ttl: float = 600.0
+    #: Share of a budget one process may hold as a lease (0: a reservation per call), and
+    #: how long one lease admits calls (docs/billing.md, "Leases").
+    budget_lease_fraction: float = 0.02
+    budget_lease_seconds: float = 1.0
 
     @property
     def journal_dir(self) -> Path:
@@ -123,6 +127,13 @@ def _number(environ: Mapping[str, str], name: str, default: float, *, integer: b
     # float() takes "nan" and "inf": a NaN timeout would compare false everywhere.
     if not math.isfinite(value) or value < minimum:
         raise ConfigError(f"{name}: expected a value >= {minimum:g}, got {raw!r}")
+    return value
+
+
+def _fraction(environ: Mapping[str, str], name: str, default: float) -> float:
+    value: float = _number(environ, name, default, integer=False, minimum=0.0)
+    if value > 0.5:
+        raise ConfigError(f"{name}: expected a share of a budget from 0 to 0.5, got {environ.get(name)!r}")
     return value
 
 
@@ -232,4 +243,6 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         billing_ship_interval=_number(env, "BILLING_SHIP_INTERVAL_SECONDS", 0.1, integer=False, minimum=0.001),
         billing_fsync_interval=_number(env, "BILLING_FSYNC_INTERVAL_SECONDS", 0.005, integer=False, minimum=0.0),
         budget_reservation_ttl=_number(env, "BUDGET_RESERVATION_TTL_SECONDS", 600.0, integer=False, minimum=1),
+        budget_lease_fraction=_fraction(env, "BUDGET_LEASE_FRACTION", 0.02),
+        budget_lease_seconds=_number(env, "BUDGET_LEASE_SECONDS", 1.0, integer=False, minimum=0.01),
     )

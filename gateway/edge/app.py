@@ -132,6 +132,7 @@ async def gateway_state(
             pool, settings.journal_dir, ship_interval=settings.billing_ship_interval,
             fsync_interval=settings.billing_fsync_interval,
             reservations=reservations, reservation_ttl=settings.budget_reservation_ttl,
+            lease_fraction=settings.budget_lease_fraction, lease_seconds=settings.budget_lease_seconds,
         )
         billing = BillingHandle(billing_actor, await supervisor.start(billing_actor))
         # Always running (cheap when idle): a reload may opt calls in, and expired rows

@@ -1,0 +1,259 @@
+"""Budget leases: headroom held by this process, so most budgeted calls make no round trip.
+
+Without leases every budgeted call reserves its worst case in the shared store before it
+is sent: one round trip (0.6-1.4 ms with PostgreSQL) before the first byte of every call.
+A *lease* is a reservation like a call's, held by this process against the same budgets
+(its own row in ``budget_reservations``, or its own field in Redis), of a share of the
+smallest of those budgets. Calls of those budgets are then admitted from the lease in
+memory, in arrival order, while their worst case fits in what the lease has left:
+
+    free = lease - worst cases of its calls still running - real costs of its calls ended
+
+The shared store sees the lease's whole amount from the moment it is granted, so spend
+plus every open reservation and lease never exceeds a budget, exactly as with one
+reservation per call: leases change who waits for the store, never the arithmetic.
+
+A lease admits calls for ``seconds`` (or until it cannot fit the next one), then retires:
+what it never used is given back at once (its amount shrinks to what its calls still
+hold and have spent), and the lease itself is released when its last call has ended and,
+in PostgreSQL, every call of it that cost anything has its ledger row (whose trigger added
+the cost to ``budget_spend``; until then the lease keeps counting that cost itself, so
+it is never counted nowhere). In Redis the lease is settled at the sum of its calls' real
+costs, as one call's reservation is.
+
+Leases are only taken where they cannot matter much: the lease is ``fraction`` of the
+smallest budget it holds against and the call asking must fit in it at least
+:data:`MIN_CALLS_PER_LEASE` times; a budget too small for that (10 calls' worth, say),
+or a lease the store refuses (the budget is nearly spent), goes back to one reservation
+per call, exact to the last call. The price: while a budget is nearly spent, another
+replica's lease may hold up to ``fraction`` of it (per budget and replica) for about a
+lease's ``seconds``, so a call that would fit in what is truly left can be refused
+meanwhile. Never the reverse: nothing is admitted that the budget cannot cover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from gateway.billing.reservations import Budget, Reservation
+
+if TYPE_CHECKING:
+    from gateway.billing.reservations import ReservationStore
+
+__all__ = ["MIN_CALLS_PER_LEASE", "BudgetLeases", "Lease"]
+
+log = logging.getLogger("gateway.billing")
+
+#: A lease is taken only if the call asking for it fits in it at least this many times.
+MIN_CALLS_PER_LEASE = 8
+#: A call tries this many fresh leases (others' calls may take each one first) before it
+#: reserves on its own.
+_ATTEMPTS = 3
+
+
+class Lease:
+    """One lease: its reservation (id, amount, budgets) and what its calls use of it."""
+
+    __slots__ = ("admits_until", "costly_calls", "expires_at", "free", "open", "reservation", "retired",
+                 "shrunk", "spent")
+
+    def __init__(self, reservation: Reservation, admits_until: float, expires_at: float) -> None:
+        self.reservation = reservation
+        #: Micro-USD still free: the amount less the running calls' holds and the ended calls' costs.
+        self.free = reservation.amount_micro_usd
+        self.admits_until = admits_until
+        #: When the store stops counting the lease by itself (its TTL).
+        self.expires_at = expires_at
+        self.open = 0
+        #: Real cost of the calls that ended (micro-USD).
+        self.spent = 0
+        #: Calls that ended with a cost: PostgreSQL releases the lease once all are ledgered.
+        self.costly_calls: list[uuid.UUID] = []
+        self.retired = False
+        self.shrunk = False
+
+
+class BudgetLeases:
+    """This process's leases, one admitting at a time per set of budgets."""
+
+    def __init__(
+        self,
+        store: ReservationStore,
+        *,
+        ttl: float,
+        fraction: float,
+        seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self._ttl = ttl
+        self._fraction = fraction
+        self._seconds = seconds
+        self._clock = clock
+        self._active: dict[tuple[Budget, ...], Lease] = {}
+        self._opening: dict[tuple[Budget, ...], asyncio.Task[Lease | None]] = {}
+        #: Budgets whose last lease was refused: one reservation per call until then.
+        self._refused_until: dict[tuple[Budget, ...], float] = {}
+        self._retired: list[Lease] = []
+        self._sweeper: asyncio.Task[None] | None = None
+        #: Leases granted, and calls admitted from one (for tests and the bench).
+        self.granted = 0
+        self.admitted = 0
+
+    def size_for(self, budgets: tuple[Budget, ...], amount: int) -> int:
+        """The lease a call of ``amount`` (micro-USD) may draw from; 0: reserve on its own."""
+        if self._fraction <= 0:
+            return 0
+        size = int(min(b.limit_micro_usd for b in budgets) * self._fraction)
+        if size <= 0 or amount * MIN_CALLS_PER_LEASE > size:
+            return 0
+        refused_until = self._refused_until.get(budgets)
+        if refused_until is not None:
+            if self._clock() < refused_until:
+                return 0
+            del self._refused_until[budgets]
+        return size
+
+    def take(self, budgets: tuple[Budget, ...], amount: int, call_id: uuid.UUID) -> Reservation | None:
+        """The call's hold from the admitting lease of its budgets, if it fits (no I/O)."""
+        lease = self._active.get(budgets)
+        if lease is None:
+            return None
+        if lease.free < amount or self._clock() >= lease.admits_until:
+            self._retire(lease)
+            return None
+        lease.free -= amount
+        lease.open += 1
+        self.admitted += 1
+        return Reservation(call_id, amount, budgets, lease)
+
+    async def acquire(
+        self, budgets: tuple[Budget, ...], amount: int, call_id: uuid.UUID, size: int
+    ) -> Reservation | None:
+        """:meth:`take`, from a new lease when needed (one round trip, shared by every call
+        waiting for it); None when the store refuses the lease (reserve on your own).
+        Raises what the store raises."""
+        for _attempt in range(_ATTEMPTS):
+            held = self.take(budgets, amount, call_id)
+            if held is not None:
+                return held
+            opening = self._opening.get(budgets)
+            if opening is None:
+                # Its own task and context: a caller that stops waiting does not cancel the
+                # lease the calls behind it wait for (it is never lost: it admits them).
+                opening = asyncio.get_running_loop().create_task(
+                    self._open(budgets, size), name="billing:lease", context=contextvars.Context())
+                opening.add_done_callback(_retrieve)
+                self._opening[budgets] = opening
+            if await asyncio.shield(opening) is None:
+                return None
+        return None
+
+    def finish(self, held: Reservation, cost_micro_usd: int) -> None:
+        """A call admitted from a lease ended at its real cost (no I/O)."""
+        lease = held.lease
+        assert lease is not None
+        lease.open -= 1
+        lease.spent += cost_micro_usd
+        if cost_micro_usd > 0:
+            lease.costly_calls.append(held.reservation_id)
+        if not lease.retired:
+            lease.free += held.amount_micro_usd - cost_micro_usd
+
+    async def _open(self, budgets: tuple[Budget, ...], size: int) -> Lease | None:
+        try:
+            reservation = Reservation(uuid.uuid4(), size, budgets)
+            refused = await self.store.reserve(reservation, self._ttl + self._seconds)
+        finally:
+            self._opening.pop(budgets, None)
+        now = self._clock()
+        if refused is not None:
+            self._refused_until[budgets] = now + self._seconds
+            return None
+        lease = Lease(reservation, now + self._seconds, now + self._ttl + self._seconds)
+        previous = self._active.get(budgets)
+        if previous is not None:
+            self._retire(previous)
+        self._active[budgets] = lease
+        self.granted += 1
+        if self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(
+                self._sweep_forever(), name="billing:leases", context=contextvars.Context())
+        return lease
+
+    def _retire(self, lease: Lease) -> None:
+        """Stop admitting from ``lease``; the next sweep gives back what it never used."""
+        if lease.retired:
+            return
+        lease.retired = True
+        budgets = lease.reservation.budgets
+        if self._active.get(budgets) is lease:
+            del self._active[budgets]
+        self._retired.append(lease)
+
+    async def _sweep_forever(self) -> None:
+        interval = max(0.05, self._seconds / 2)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.sweep()
+            except Exception as exc:  # noqa: BLE001 - retried next sweep; leases expire otherwise
+                log.warning("billing: could not release budget leases (%s: %s); retried", type(exc).__name__, exc)
+
+    async def sweep(self) -> None:
+        """Retire leases past their time; shrink retired ones to what their calls still hold
+        and have spent; release those whose calls have all ended (and been ledgered)."""
+        now = self._clock()
+        for lease in list(self._active.values()):
+            if now >= lease.admits_until:
+                self._retire(lease)
+        retired, self._retired = self._retired, []
+        keep: list[Lease] = []
+        try:
+            while retired:
+                lease = retired.pop()
+                if now >= lease.expires_at:
+                    continue  # the store no longer counts it
+                keep.append(lease)
+                if lease.open == 0:
+                    if await self.store.release_lease(lease.reservation, lease.spent, lease.costly_calls):
+                        keep.pop()
+                elif not lease.shrunk:
+                    held = lease.reservation.amount_micro_usd - lease.free
+                    await self.store.resize(lease.reservation, max(held, 0))
+                    lease.shrunk = True
+        finally:
+            self._retired.extend(keep + retired)
+
+    async def close(self) -> None:
+        """Retire every lease and release those whose calls have ended (the rest expire)."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        for lease in list(self._active.values()):
+            self._retire(lease)
+        try:
+            await self.sweep()
+        except Exception as exc:  # noqa: BLE001 - they expire by themselves
+            log.warning("billing: could not release budget leases at shutdown (%s: %s); they expire in %.0f s",
+                        type(exc).__name__, exc, self._ttl + self._seconds)
+
+    @property
+    def held(self) -> int:
+        """Leases this process holds in the store (admitting or retired)."""
+        return len(self._active) + len(self._retired)
+
+
+def _retrieve(task: asyncio.Task[Lease | None]) -> None:
+    """A lease's failure reaches its waiters; none may be left to read it."""
+    if not task.cancelled():
+        task.exception()

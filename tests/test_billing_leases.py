@@ -1,0 +1,267 @@
+"""Budget leases (gateway/billing/leases.py): calls small against their budgets are held in a
+lease this process holds in the shared store, so most make no round trip, and budgets
+still never admit more than they can cover, on PostgreSQL and on Redis.
+
+The stores talk to the real test PostgreSQL and Redis through the counting wrappers of
+tests/budget_stores.py; the leases' clock is a fake one where a test
+moves time on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import datetime, timezone
+from decimal import Decimal
+from typing import Any
+
+import asyncpg
+import pytest
+
+from gateway.billing.gate import BudgetGate
+from gateway.billing.leases import BudgetLeases
+from gateway.billing.reservations import Budget, Reservation
+from gateway.core.config import Price
+from gateway.core.errors import BudgetExceeded, ServiceUnavailable
+from gateway.core.settings import ConfigError, load_settings
+from tests.budget_stores import STORES, Faults, key_budget, open_reservations, seeded, subject_budget
+from tests.conftest import auth
+from tests.test_billing_reservations import TENTH_PER_TOKEN, call, ledger_spend, priced
+
+#: One micro-USD per token: a call with a prompt bound of P and an output cap of C costs at
+#: most P + C micro-USD.
+MICRO_PER_TOKEN = Price(1.0, 1.0)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def leased_gate(store: Any, *, fraction: float = 0.1, seconds: float = 1.0, clock: Clock | None = None) -> BudgetGate:
+    """A gate whose leases run on ``clock`` (their sweeper never wakes within a test: it
+    sleeps ``seconds / 2`` of real time, and the tests sweep by hand)."""
+    gate = BudgetGate(store, ttl=600, subject_budgets={})
+    gate.leases = BudgetLeases(store, ttl=600, fraction=fraction, seconds=seconds, clock=clock or Clock())
+    return gate
+
+
+async def hold(gate: BudgetGate, budget: Budget, amount: int, *, budgets: tuple[Budget, ...] | None = None) -> Reservation:
+    """Reserve a call whose worst case is exactly ``amount`` micro-USD against ``budget``."""
+    gate._budgets_of = lambda *_: budgets or (budget,)  # type: ignore[method-assign]
+    held = await gate.reserve(
+        call_id=uuid.uuid4(), api_key_id=budget.id, key_budget=(Decimal(1), "total"), subject_id=uuid.uuid4(),
+        model="m", prices=[MICRO_PER_TOKEN], prompt_bound=amount, output_cap=0,
+    )
+    assert held is not None
+    return held
+
+
+async def outcome(gate: BudgetGate, budget: Budget, amount: int) -> Reservation | str:
+    try:
+        return await hold(gate, budget, amount)
+    except BudgetExceeded:
+        return "402"
+
+
+async def ledger_row(pool: asyncpg.Pool, call_id: uuid.UUID, budget: Budget, cost_micro: int) -> None:
+    """The call's ledger row, as shipping writes it (its trigger adds the cost to budget_spend)."""
+    await pool.execute(
+        """INSERT INTO usage_ledger (call_id, request_id, api_key_id, subject_id, requested_model, prompt_tokens,
+           completion_tokens, cost_usd, cost_source, latency_seconds, status, outcome, streamed, created_at)
+           VALUES ($1, 'req', $2, $3, 'm', 1, 1, $4, 'price', 0.1, 200, 'ok', false, $5)""",
+        call_id, budget.id, uuid.uuid4(), Decimal(cost_micro) / 1_000_000, datetime.now(timezone.utc))
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_small_calls_share_one_lease_and_one_round_trip(kind: str, make_store: Any, db_pool: asyncpg.Pool) -> None:
+    faults = Faults()
+    store = await make_store(kind, faults)
+    budget = key_budget(1_000_000)
+    await seeded(kind, store, budget)
+    gate = leased_gate(store)  # a lease of 10 % of the budget: 100,000 micro-USD
+    held = await asyncio.gather(*(hold(gate, budget, 1_000) for _ in range(50)))
+    assert all(h.lease is not None for h in held)
+    assert faults.round_trips == 1  # 50 calls, one lease
+    assert gate.leases.granted == 1 and gate.leases.admitted == 50
+    assert await open_reservations(kind, store, db_pool, budget) == 100_000  # the lease, whole
+    for h in held:
+        assert gate.settles_at_once(h, 0)  # no I/O at the end either
+    assert (await hold(gate, budget, 1_000)).lease is held[0].lease  # what ended is free again
+    assert faults.round_trips == 1
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_leases_admit_exactly_what_the_budget_covers_then_refuse(
+    kind: str, make_store: Any, db_pool: asyncpg.Pool
+) -> None:
+    """150 calls in flight together on a budget worth 100: leases of 10 calls each and, for
+    calls that waited for several, reservations of their own fill it; then the lease and
+    the call on its own are refused: exactly 100 admitted."""
+    faults = Faults()
+    store = await make_store(kind, faults)
+    budget = key_budget(100_000)
+    await seeded(kind, store, budget)
+    gate = leased_gate(store)  # leases of 10,000: ten calls of 1,000 each
+    outcomes = await asyncio.gather(*(outcome(gate, budget, 1_000) for _ in range(150)))
+    admitted = [o for o in outcomes if o != "402"]
+    assert len(admitted) == 100 and outcomes.count("402") == 50
+    assert await open_reservations(kind, store, db_pool, budget) == 100_000  # never more
+    # Every lease granted was used to its last call; what queued behind them reserved on
+    # its own (in batches), up to the same total.
+    assert sum(1 for o in admitted if isinstance(o, Reservation) and o.lease is not None) == 10 * gate.leases.granted
+    assert gate.leases.granted >= 1 and faults.round_trips < 150
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_a_retired_lease_gives_back_what_it_never_used_and_is_released_when_its_calls_are_counted(
+    kind: str, make_store: Any, db_pool: asyncpg.Pool
+) -> None:
+    store = await make_store(kind, Faults())
+    budget = key_budget(1_000_000)
+    await seeded(kind, store, budget)
+    clock = Clock()
+    gate = leased_gate(store, clock=clock)
+    first, second, third = [await hold(gate, budget, 1_000) for _ in range(3)]
+    assert await open_reservations(kind, store, db_pool, budget) == 100_000
+    gate.settles_at_once(first, 400)
+    clock.now += 1.0  # the lease stops admitting
+    await gate.leases.sweep()
+    # Shrunk to what its calls still hold (2 x 1,000) and have spent (400).
+    assert await open_reservations(kind, store, db_pool, budget) == 2_400
+    gate.settles_at_once(second, 300)
+    gate.settles_at_once(third, 0)
+    await gate.leases.sweep()
+    if kind == "postgresql":
+        # The costs are not in the ledger yet: the lease keeps counting them (and only them).
+        assert await open_reservations(kind, store, db_pool, budget) == 700
+        assert gate.leases.held == 1
+        await ledger_row(db_pool, first.reservation_id, budget, 400)
+        await ledger_row(db_pool, second.reservation_id, budget, 300)
+        await gate.leases.sweep()
+    else:
+        spent = await store._redis.hget(f"{store._prefix}:{budget.redis_name}", "spent")
+        assert int(spent) == 700  # settled at the sum of its calls' costs
+    assert await open_reservations(kind, store, db_pool, budget) == 0
+    assert gate.leases.held == 0
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_another_replicas_lease_is_never_overspent_and_what_it_left_returns_when_it_retires(
+    kind: str, make_store: Any, db_pool: asyncpg.Pool
+) -> None:
+    store = await make_store(kind, Faults())
+    budget = key_budget(100_000)
+    await seeded(kind, store, budget)
+    clock = Clock()
+    replica_a, replica_b = leased_gate(store, clock=clock), leased_gate(store, clock=clock)
+    await hold(replica_a, budget, 1_000)  # a lease of 10,000 with 9,000 left in it
+    outcomes = await asyncio.gather(*(outcome(replica_b, budget, 1_000) for _ in range(100)))
+    assert outcomes.count("402") == 10  # 90 fit beside replica A's lease; nothing more
+    assert await open_reservations(kind, store, db_pool, budget) == 100_000
+    clock.now += 1.0
+    await replica_a.leases.sweep()  # A's lease retires: it gives back the 9,000 it never used
+    assert await open_reservations(kind, store, db_pool, budget) == 91_000
+    clock.now += 1.0  # replica B's refused lease no longer steers it to one call at a time
+    more = await asyncio.gather(*(outcome(replica_b, budget, 1_000) for _ in range(10)))
+    assert more.count("402") == 1  # the 9 that fit now, one by one (a lease no longer fits)
+    assert await open_reservations(kind, store, db_pool, budget) == 100_000
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_a_call_large_against_its_budget_reserves_on_its_own(kind: str, make_store: Any, db_pool: asyncpg.Pool) -> None:
+    store = await make_store(kind, Faults())
+    budget = key_budget(10_000)
+    await seeded(kind, store, budget)
+    gate = leased_gate(store)  # a lease would be 1,000: not eight calls of 1,000
+    held = await hold(gate, budget, 1_000)
+    assert held.lease is None and gate.leases.granted == 0
+    assert await open_reservations(kind, store, db_pool, budget) == 1_000
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_a_lease_holds_against_every_budget_of_its_calls(kind: str, make_store: Any, db_pool: asyncpg.Pool) -> None:
+    store = await make_store(kind, Faults())
+    key, subject = key_budget(2_000_000), subject_budget(1_000_000)
+    await seeded(kind, store, key, subject)
+    gate = leased_gate(store)
+    held = await hold(gate, key, 1_000, budgets=(key, subject))
+    assert held.lease is not None
+    # 10 % of the smaller budget, against both.
+    assert await open_reservations(kind, store, db_pool, key) == 100_000
+    assert await open_reservations(kind, store, db_pool, subject) == 100_000
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_a_store_that_fails_the_lease_fails_its_calls_closed_and_the_next_lease_works(
+    kind: str, make_store: Any, db_pool: asyncpg.Pool
+) -> None:
+    faults = Faults(fail_on={1})
+    store = await make_store(kind, faults)
+    budget = key_budget(1_000_000)
+    await seeded(kind, store, budget)
+    gate = leased_gate(store)
+    failed = await asyncio.gather(*(hold(gate, budget, 1_000) for _ in range(5)), return_exceptions=True)
+    assert all(isinstance(f, ServiceUnavailable) and f.error_code == "budget_unavailable" for f in failed), failed
+    assert (await hold(gate, budget, 1_000)).lease is not None
+    assert await open_reservations(kind, store, db_pool, budget) == 100_000
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_closing_releases_leases_whose_calls_ended(kind: str, make_store: Any, db_pool: asyncpg.Pool) -> None:
+    store = await make_store(kind, Faults())
+    budget = key_budget(1_000_000)
+    await seeded(kind, store, budget)
+    gate = leased_gate(store)
+    gate.settles_at_once(await hold(gate, budget, 1_000), 0)  # cost nothing: nothing to wait for
+    await gate.leases.close()
+    assert await open_reservations(kind, store, db_pool, budget) == 0
+
+
+# -- through a running gateway --------------------------------------------------------------
+@pytest.mark.parametrize("store", ["postgresql", "redis"])
+async def test_a_busy_budgeted_key_is_held_in_leases_and_its_spend_is_exact(
+    store: str, gateway_factory: Any, fake_factory: Any, key_factory: Any, db_pool: asyncpg.Pool, redis_url: str
+) -> None:
+    fake = await fake_factory(latency_ms=300)  # all 120 in flight together
+    env = {"BUDGET_LEASE_FRACTION": "0.5", "BUDGET_LEASE_SECONDS": "0.2"}
+    if store == "redis":
+        env["REDIS_URL"] = redis_url
+    gw = await gateway_factory(env=env, config_yaml=priced(fake.url))
+    # 10 USD: 100 calls of 0.1 USD; leases of 5 USD (50 calls) each.
+    raw, record = await key_factory(budget_usd=Decimal("10"), budget_period="day", rate_limit_requests=100_000)
+    statuses = await asyncio.gather(*(call(gw, raw) for _ in range(120)))
+    assert statuses.count(200) == 100 and statuses.count(402) == 20, statuses
+    assert (await fake.stats())["requests"] == 100  # a refused call sends nothing
+    leases = gw.state.billing._gate.leases
+    assert leases.granted == 2 and leases.admitted == 100
+    assert await gw.state.billing.flush()
+    assert await ledger_spend(db_pool, record.api_key_id) == Decimal("10")
+    # The leases retire within their 0.2 s and are released once the ledger has their calls.
+    for _ in range(100):
+        if leases.held == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert leases.held == 0
+    if store == "postgresql":
+        assert await db_pool.fetchval("SELECT count(*) FROM budget_reservations WHERE id = $1", record.api_key_id) == 0
+    # The day's budget is spent: the next call is refused by the store's own count.
+    resp = await gw.data.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                            "max_tokens": 1}, headers=auth(raw))
+    assert resp.status == 402
+
+
+async def test_leases_are_off_with_a_zero_fraction_and_a_share_over_half_is_refused(
+    gateway_factory: Any, fake_factory: Any, key_factory: Any, db_pool: asyncpg.Pool
+) -> None:
+    fake = await fake_factory()
+    gw = await gateway_factory(env={"BUDGET_LEASE_FRACTION": "0"}, config_yaml=priced(fake.url, TENTH_PER_TOKEN))
+    raw, _ = await key_factory(budget_usd=Decimal("1000"), budget_period="day")
+    assert await call(gw, raw) == 200
+    assert gw.state.billing._gate.leases.granted == 0  # one reservation per call, as before leases
+    with pytest.raises(ConfigError, match="BUDGET_LEASE_FRACTION"):
+        load_settings({"BUDGET_LEASE_FRACTION": "0.75"})
+    assert load_settings({}).budget_lease_fraction == 0.02
