@@ -61,6 +61,13 @@ def _fmt(value: float | None) -> str:
     return f"{value:.2f}"
 
 
+def _extra_env(gateway_env: dict[str, str]) -> str:
+    """The gateway's settings the run changed (``--gateway-env``), e.g. budget leases off."""
+    if not gateway_env:
+        return ""
+    return " · gateway environment: " + ", ".join(f"`{k}={v}`" for k, v in sorted(gateway_env.items()))
+
+
 def _verdict(passed: bool | None) -> str:
     return "" if passed is None else ("pass" if passed else "**FAIL**")
 
@@ -78,7 +85,8 @@ def render_markdown(meta: dict[str, Any], reports: list[ScenarioReport], profile
         f"load average before {m['load_average'][0]}, after {meta['load_after'][0]} · {pin} · "
         f"actors in the tree: {', '.join(env['features'])} · Redis: {'yes' if env['redis'] else 'no'}"
         f" · gateway workers: {meta.get('gateway_workers', 1)}"
-        f" · bench key budget: {'yes' if env.get('key_budget', True) else 'no'}.",
+        f" · bench key budget: {'yes' if env.get('key_budget', True) else 'no'}"
+        f"{_extra_env(env.get('gateway_env') or {})}.",
         "",
         "Direct = the client calls the fake provider itself; bare relay = a 20-line aiohttp pass-through "
         "(bench/bare_relay.py); gateway = `llm-gateway serve` with a real key, limits, breaker and billing "

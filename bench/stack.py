@@ -509,6 +509,7 @@ class Stack:
             "load_cpu": self.load_cpu if self.pinned else None,
             "redis": bool(self.options.redis_url),
             "key_budget": self.options.key_budget,
+            "gateway_env": dict(self.options.gateway_env),
             "features": self.features(),
         }
 
