@@ -150,6 +150,35 @@ async def test_a_retired_lease_gives_back_what_it_never_used_and_is_released_whe
 
 
 @pytest.mark.parametrize("kind", STORES)
+async def test_a_lease_in_its_last_quarter_has_its_successor_granted_before_any_call_waits(
+    kind: str, make_store: Any, db_pool: asyncpg.Pool
+) -> None:
+    faults = Faults()
+    store = await make_store(kind, faults)
+    budget = key_budget(1_000_000)
+    await seeded(kind, store, budget)
+    clock = Clock()
+    gate = leased_gate(store, clock=clock)
+    first = await hold(gate, budget, 1_000)
+    assert faults.round_trips == 1
+    clock.now += 0.8  # the last quarter of the lease's second
+    late = gate.leases.take((budget,), 1_000, uuid.uuid4())  # no I/O: still the first lease
+    assert late is not None and late.lease is first.lease
+    for _ in range(200):
+        if gate.leases.granted == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert gate.leases.granted == 2 and faults.round_trips == 2  # asked for in the background
+    assert await open_reservations(kind, store, db_pool, budget) == 200_000  # both held meanwhile
+    clock.now += 0.3  # the first lease's time is over: its successor admits, nobody waits
+    after = gate.leases.take((budget,), 1_000, uuid.uuid4())
+    assert after is not None and after.lease is not first.lease
+    assert faults.round_trips == 2
+    await gate.leases.sweep()  # the first gives back what it never used
+    assert await open_reservations(kind, store, db_pool, budget) == 2_000 + 100_000
+
+
+@pytest.mark.parametrize("kind", STORES)
 async def test_another_replicas_lease_is_never_overspent_and_what_it_left_returns_when_it_retires(
     kind: str, make_store: Any, db_pool: asyncpg.Pool
 ) -> None:

@@ -13,7 +13,9 @@ The shared store sees the lease's whole amount from the moment it is granted, so
 plus every open reservation and lease never exceeds a budget, exactly as with one
 reservation per call: leases change who waits for the store, never the arithmetic.
 
-A lease admits calls for ``seconds`` (or until it cannot fit the next one), then retires:
+A lease admits calls for ``seconds`` (or until it cannot fit the next one), then retires;
+in its last quarter (of time, or of headroom) the next one is asked for in the background,
+so a steadily busy budget's calls never wait for the store. A retired lease:
 what it never used is given back at once (its amount shrinks to what its calls still
 hold and have spent), and the lease itself is released when its last call has ended and,
 in PostgreSQL, every call of it that cost anything has its ledger row (whose trigger added
@@ -61,14 +63,17 @@ _ATTEMPTS = 3
 class Lease:
     """One lease: its reservation (id, amount, budgets) and what its calls use of it."""
 
-    __slots__ = ("admits_until", "costly_calls", "expires_at", "free", "open", "reservation", "retired",
-                 "shrunk", "spent")
+    __slots__ = ("admits_until", "costly_calls", "expires_at", "free", "open", "renew_at", "renewing",
+                 "reservation", "retired", "shrunk", "spent")
 
-    def __init__(self, reservation: Reservation, admits_until: float, expires_at: float) -> None:
+    def __init__(self, reservation: Reservation, admits_until: float, expires_at: float, renew_at: float) -> None:
         self.reservation = reservation
         #: Micro-USD still free: the amount less the running calls' holds and the ended calls' costs.
         self.free = reservation.amount_micro_usd
         self.admits_until = admits_until
+        #: From then (or from a quarter of its amount left) the next lease is asked for, once.
+        self.renew_at = renew_at
+        self.renewing = False
         #: When the store stops counting the lease by itself (its TTL).
         self.expires_at = expires_at
         self.open = 0
@@ -98,6 +103,8 @@ class BudgetLeases:
         self._seconds = seconds
         self._clock = clock
         self._active: dict[tuple[Budget, ...], Lease] = {}
+        #: Leases granted ahead (a renewal), admitting once the active one is done.
+        self._next: dict[tuple[Budget, ...], Lease] = {}
         self._opening: dict[tuple[Budget, ...], asyncio.Task[Lease | None]] = {}
         #: Budgets whose last lease was refused: one reservation per call until then.
         self._refused_until: dict[tuple[Budget, ...], float] = {}
@@ -123,15 +130,20 @@ class BudgetLeases:
 
     def take(self, budgets: tuple[Budget, ...], amount: int, call_id: uuid.UUID) -> Reservation | None:
         """The call's hold from the admitting lease of its budgets, if it fits (no I/O)."""
-        lease = self._active.get(budgets)
-        if lease is None:
-            return None
-        if lease.free < amount or self._clock() >= lease.admits_until:
-            self._retire(lease)
-            return None
+        now = self._clock()
+        while True:
+            lease = self._active.get(budgets) or self._promote(budgets)
+            if lease is None:
+                return None
+            if lease.free >= amount and now < lease.admits_until:
+                break
+            self._retire(lease)  # then its successor, if one was granted ahead
         lease.free -= amount
         lease.open += 1
         self.admitted += 1
+        if not lease.renewing and (now >= lease.renew_at or lease.free * 4 < lease.reservation.amount_micro_usd):
+            lease.renewing = True  # its successor, before any call has to wait for it
+            self._start_opening(budgets, lease.reservation.amount_micro_usd, renewal=True)
         return Reservation(call_id, amount, budgets, lease)
 
     async def acquire(
@@ -144,17 +156,21 @@ class BudgetLeases:
             held = self.take(budgets, amount, call_id)
             if held is not None:
                 return held
-            opening = self._opening.get(budgets)
-            if opening is None:
-                # Its own task and context: a caller that stops waiting does not cancel the
-                # lease the calls behind it wait for (it is never lost: it admits them).
-                opening = asyncio.get_running_loop().create_task(
-                    self._open(budgets, size), name="billing:lease", context=contextvars.Context())
-                opening.add_done_callback(_retrieve)
-                self._opening[budgets] = opening
+            opening = self._opening.get(budgets) or self._start_opening(budgets, size, renewal=False)
             if await asyncio.shield(opening) is None:
                 return None
         return None
+
+    def _start_opening(self, budgets: tuple[Budget, ...], size: int, *, renewal: bool) -> asyncio.Task[Lease | None]:
+        opening = self._opening.get(budgets)
+        if opening is None:
+            # Its own task and context: a caller that stops waiting does not cancel the
+            # lease the calls behind it wait for (it is never lost: it admits them).
+            opening = asyncio.get_running_loop().create_task(
+                self._open(budgets, size, renewal), name="billing:lease", context=contextvars.Context())
+            opening.add_done_callback(_retrieve)
+            self._opening[budgets] = opening
+        return opening
 
     def finish(self, held: Reservation, cost_micro_usd: int) -> None:
         """A call admitted from a lease ended at its real cost (no I/O)."""
@@ -167,7 +183,7 @@ class BudgetLeases:
         if not lease.retired:
             lease.free += held.amount_micro_usd - cost_micro_usd
 
-    async def _open(self, budgets: tuple[Budget, ...], size: int) -> Lease | None:
+    async def _open(self, budgets: tuple[Budget, ...], size: int, renewal: bool) -> Lease | None:
         try:
             reservation = Reservation(uuid.uuid4(), size, budgets)
             refused = await self.store.reserve(reservation, self._ttl + self._seconds)
@@ -175,17 +191,31 @@ class BudgetLeases:
             self._opening.pop(budgets, None)
         now = self._clock()
         if refused is not None:
-            self._refused_until[budgets] = now + self._seconds
+            # A renewal refused: the current lease admits on until it is spent, and only a
+            # call that then finds no lease steers the budget to one reservation per call.
+            if not renewal:
+                self._refused_until[budgets] = now + self._seconds
             return None
-        lease = Lease(reservation, now + self._seconds, now + self._ttl + self._seconds)
-        previous = self._active.get(budgets)
-        if previous is not None:
-            self._retire(previous)
-        self._active[budgets] = lease
+        lease = Lease(reservation, now + self._seconds, now + self._ttl + self._seconds,
+                      renew_at=now + self._seconds * 0.75)
+        if budgets in self._active:
+            # Granted ahead: it admits once the current lease is spent or past its time.
+            if (waiting := self._next.get(budgets)) is not None:
+                self._retire(waiting)
+            self._next[budgets] = lease
+        else:
+            self._active[budgets] = lease
         self.granted += 1
         if self._sweeper is None:
             self._sweeper = asyncio.get_running_loop().create_task(
                 self._sweep_forever(), name="billing:leases", context=contextvars.Context())
+        return lease
+
+    def _promote(self, budgets: tuple[Budget, ...]) -> Lease | None:
+        """The lease granted ahead for ``budgets``, admitting from now on."""
+        lease = self._next.pop(budgets, None)
+        if lease is not None:
+            self._active[budgets] = lease
         return lease
 
     def _retire(self, lease: Lease) -> None:
@@ -196,6 +226,8 @@ class BudgetLeases:
         budgets = lease.reservation.budgets
         if self._active.get(budgets) is lease:
             del self._active[budgets]
+        if self._next.get(budgets) is lease:
+            del self._next[budgets]
         self._retired.append(lease)
 
     async def _sweep_forever(self) -> None:
@@ -211,7 +243,7 @@ class BudgetLeases:
         """Retire leases past their time; shrink retired ones to what their calls still hold
         and have spent; release those whose calls have all ended (and been ledgered)."""
         now = self._clock()
-        for lease in list(self._active.values()):
+        for lease in [*self._active.values(), *self._next.values()]:
             if now >= lease.admits_until:
                 self._retire(lease)
         retired, self._retired = self._retired, []
@@ -239,7 +271,7 @@ class BudgetLeases:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
             self._sweeper = None
-        for lease in list(self._active.values()):
+        for lease in [*self._active.values(), *self._next.values()]:
             self._retire(lease)
         try:
             await self.sweep()
@@ -250,7 +282,7 @@ class BudgetLeases:
     @property
     def held(self) -> int:
         """Leases this process holds in the store (admitting or retired)."""
-        return len(self._active) + len(self._retired)
+        return len(self._active) + len(self._next) + len(self._retired)
 
 
 def _retrieve(task: asyncio.Task[Lease | None]) -> None:
