@@ -24,12 +24,12 @@ TTL_SECONDS = 2
 
 
 async def replicas(process_factory: Any, fake: FakeUpstream, store: str, redis_url: str,
-                   price: dict[str, float] = TENTH_PER_TOKEN) -> list[GatewayProcess]:
+                   price: dict[str, float] = TENTH_PER_TOKEN, **extra_env: str) -> list[GatewayProcess]:
     config = config_for(
         fake.url, rate_limits={"key_prefix": f"budgets-{uuid.uuid4().hex[:8]}"},
         models=[{"name": "*", "deployments": [{"provider": "fake", "model": "*", "price": price}]}],
     )
-    env = {"BUDGET_RESERVATION_TTL_SECONDS": str(TTL_SECONDS)}
+    env = {"BUDGET_RESERVATION_TTL_SECONDS": str(TTL_SECONDS), **extra_env}
     if store == "redis":
         env["REDIS_URL"] = redis_url
     return [await process_factory(env=env, config_yaml=config) for _ in range(2)]
@@ -88,3 +88,58 @@ async def test_a_killed_replicas_reservations_expire_and_the_budget_is_usable_ag
             await asyncio.sleep(0.2)
         else:
             raise AssertionError("the killed replica's reservation never expired")
+
+
+@pytest.mark.parametrize("store", ["postgresql", "redis"])
+async def test_leases_on_two_replicas_never_overspend_and_leave_at_most_their_unused_share(
+    store: str, process_factory: Any, fake_factory: Any, key_factory: Any, db_pool: asyncpg.Pool, redis_url: str
+) -> None:
+    """6 USD of 0.1 USD calls (60 calls' worth), leases of a quarter (15 calls) on each
+    replica, 100 calls in flight together: at most 60 admitted, whatever the split; fewer
+    only by what a lease never used, at most one lease per replica."""
+    fake = await fake_factory(latency_ms=300)
+    pair = await replicas(process_factory, fake, store, redis_url, BUDGET_LEASE_FRACTION="0.25")
+    raw, record = await key_factory(budget_usd=Decimal("6"), budget_period="day", rate_limit_requests=100_000)
+    async with aiohttp.ClientSession() as session:
+        statuses = await asyncio.gather(*(call(session, pair[i % 2], raw) for i in range(100)))
+    admitted = statuses.count(200)
+    assert admitted + statuses.count(402) == 100, statuses
+    assert 60 - 2 * 15 <= admitted <= 60, statuses
+    assert (await fake.stats())["requests"] == admitted
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # both replicas ship their rows
+        if await db_pool.fetchval("SELECT count(*) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id) == admitted:
+            break
+        await asyncio.sleep(0.1)
+    spent = await db_pool.fetchval("SELECT sum(cost_usd) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id)
+    assert spent == Decimal("0.1") * admitted <= Decimal("6")
+
+
+async def test_a_killed_replicas_lease_expires_and_the_budget_is_usable_again(
+    process_factory: Any, fake_factory: Any, key_factory: Any
+) -> None:
+    fake = await fake_factory(chunk_delay_ms=1000)
+    # A lease of half the budget: after the victim's lease and the call it holds, what is
+    # left does not fit a lease of the survivor's own, nor (with the dead lease) much more.
+    pair = await replicas(process_factory, fake, "postgresql", "", BUDGET_LEASE_FRACTION="0.5")
+    raw, _ = await key_factory(budget_usd=Decimal("1.6"), budget_period="day")
+    big = chat_body("hello there", max_tokens=1, stream=True)
+    victim, survivor = pair
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{victim.url}/v1/chat/completions", json=big, headers=auth(raw))
+        assert resp.status == 200
+        await resp.content.readline()  # under way, admitted from the victim's lease of 0.8 USD
+        victim.signal(signal.SIGKILL)
+        victim.wait(10)
+        resp.close()
+        killed_at = time.monotonic()
+        # The survivor's own lease (0.8 USD) fits beside the dead one: eight calls, then refused.
+        assert [await call(session, survivor, raw) for _ in range(9)] == [200] * 8 + [402]
+        while time.monotonic() - killed_at < TTL_SECONDS + 8:
+            status = await call(session, survivor, raw)
+            if status == 200:
+                break
+            assert status == 402
+            await asyncio.sleep(0.2)
+        else:
+            raise AssertionError("the killed replica's lease never expired")
