@@ -28,8 +28,9 @@ smallest budget it holds against and the call asking must fit in it at least
 :data:`MIN_CALLS_PER_LEASE` times; a budget too small for that (10 calls' worth, say),
 or a lease the store refuses (the budget is nearly spent), goes back to one reservation
 per call, exact to the last call. The price: while a budget is nearly spent, another
-replica's lease may hold up to ``fraction`` of it (per budget and replica) for about a
-lease's ``seconds``, so a call that would fit in what is truly left can be refused
+replica's leases may hold what they never use, up to ``fraction`` of it per budget and
+replica (twice that while a successor granted ahead waits) for about a lease's
+``seconds``, so a call that would fit in what is truly left can be refused
 meanwhile. Never the reverse: nothing is admitted that the budget cannot cover.
 """
 
