@@ -49,6 +49,14 @@ def leased_gate(store: Any, *, fraction: float = 0.1, seconds: float = 1.0, cloc
     return gate
 
 
+async def budget_store(kind: str, make_store: Any, limit: int, faults: Faults | None = None) -> tuple[Any, Budget]:
+    """A store of ``kind`` and a key budget of ``limit`` micro-USD, seeded (Redis)."""
+    store = await make_store(kind, faults or Faults())
+    budget = key_budget(limit)
+    await seeded(kind, store, budget)
+    return store, budget
+
+
 async def hold(gate: BudgetGate, budget: Budget, amount: int, *, budgets: tuple[Budget, ...] | None = None) -> Reservation:
     """Reserve a call whose worst case is exactly ``amount`` micro-USD against ``budget``."""
     gate._budgets_of = lambda *_: budgets or (budget,)  # type: ignore[method-assign]
@@ -79,9 +87,7 @@ async def ledger_row(pool: asyncpg.Pool, call_id: uuid.UUID, budget: Budget, cos
 @pytest.mark.parametrize("kind", STORES)
 async def test_small_calls_share_one_lease_and_one_round_trip(kind: str, make_store: Any, db_pool: asyncpg.Pool) -> None:
     faults = Faults()
-    store = await make_store(kind, faults)
-    budget = key_budget(1_000_000)
-    await seeded(kind, store, budget)
+    store, budget = await budget_store(kind, make_store, 1_000_000, faults)
     gate = leased_gate(store)  # a lease of 10 % of the budget: 100,000 micro-USD
     held = await asyncio.gather(*(hold(gate, budget, 1_000) for _ in range(50)))
     assert all(h.lease is not None for h in held)
@@ -102,9 +108,7 @@ async def test_leases_admit_exactly_what_the_budget_covers_then_refuse(
     calls that waited for several, reservations of their own fill it; then the lease and
     the call on its own are refused: exactly 100 admitted."""
     faults = Faults()
-    store = await make_store(kind, faults)
-    budget = key_budget(100_000)
-    await seeded(kind, store, budget)
+    store, budget = await budget_store(kind, make_store, 100_000, faults)
     gate = leased_gate(store)  # leases of 10,000: ten calls of 1,000 each
     outcomes = await asyncio.gather(*(outcome(gate, budget, 1_000) for _ in range(150)))
     admitted = [o for o in outcomes if o != "402"]
@@ -120,9 +124,7 @@ async def test_leases_admit_exactly_what_the_budget_covers_then_refuse(
 async def test_a_retired_lease_gives_back_what_it_never_used_and_is_released_when_its_calls_are_counted(
     kind: str, make_store: Any, db_pool: asyncpg.Pool
 ) -> None:
-    store = await make_store(kind, Faults())
-    budget = key_budget(1_000_000)
-    await seeded(kind, store, budget)
+    store, budget = await budget_store(kind, make_store, 1_000_000)
     clock = Clock()
     gate = leased_gate(store, clock=clock)
     first, second, third = [await hold(gate, budget, 1_000) for _ in range(3)]
@@ -154,9 +156,7 @@ async def test_a_lease_in_its_last_quarter_has_its_successor_granted_before_any_
     kind: str, make_store: Any, db_pool: asyncpg.Pool
 ) -> None:
     faults = Faults()
-    store = await make_store(kind, faults)
-    budget = key_budget(1_000_000)
-    await seeded(kind, store, budget)
+    store, budget = await budget_store(kind, make_store, 1_000_000, faults)
     clock = Clock()
     gate = leased_gate(store, clock=clock)
     first = await hold(gate, budget, 1_000)
@@ -179,12 +179,30 @@ async def test_a_lease_in_its_last_quarter_has_its_successor_granted_before_any_
 
 
 @pytest.mark.parametrize("kind", STORES)
+async def test_a_refused_successor_leaves_the_lease_admitting_until_it_is_spent(
+    kind: str, make_store: Any, db_pool: asyncpg.Pool
+) -> None:
+    faults = Faults()
+    store, budget = await budget_store(kind, make_store, 100_000, faults)
+    gate = leased_gate(store)  # leases of 10,000
+    assert await store.reserve(Reservation(uuid.uuid4(), 90_000, (budget,)), 60) is None  # someone else's
+    held = [await hold(gate, budget, 1_000) for _ in range(8)]  # 2,000 left: its successor is asked for
+    for _ in range(200):
+        if faults.round_trips == 3:
+            break
+        await asyncio.sleep(0.01)
+    assert faults.round_trips == 3 and gate.leases.granted == 1  # the successor did not fit
+    more = [await outcome(gate, budget, 1_000) for _ in range(3)]
+    assert [isinstance(m, Reservation) and m.lease is held[0].lease for m in more[:2]] == [True, True]
+    assert more[2] == "402"  # the lease spent, the budget full: refused
+    assert await open_reservations(kind, store, db_pool, budget) == 100_000
+
+
+@pytest.mark.parametrize("kind", STORES)
 async def test_another_replicas_lease_is_never_overspent_and_what_it_left_returns_when_it_retires(
     kind: str, make_store: Any, db_pool: asyncpg.Pool
 ) -> None:
-    store = await make_store(kind, Faults())
-    budget = key_budget(100_000)
-    await seeded(kind, store, budget)
+    store, budget = await budget_store(kind, make_store, 100_000)
     clock = Clock()
     replica_a, replica_b = leased_gate(store, clock=clock), leased_gate(store, clock=clock)
     await hold(replica_a, budget, 1_000)  # a lease of 10,000 with 9,000 left in it
@@ -202,9 +220,7 @@ async def test_another_replicas_lease_is_never_overspent_and_what_it_left_return
 
 @pytest.mark.parametrize("kind", STORES)
 async def test_a_call_large_against_its_budget_reserves_on_its_own(kind: str, make_store: Any, db_pool: asyncpg.Pool) -> None:
-    store = await make_store(kind, Faults())
-    budget = key_budget(10_000)
-    await seeded(kind, store, budget)
+    store, budget = await budget_store(kind, make_store, 10_000)
     gate = leased_gate(store)  # a lease would be 1,000: not eight calls of 1,000
     held = await hold(gate, budget, 1_000)
     assert held.lease is None and gate.leases.granted == 0
@@ -229,9 +245,7 @@ async def test_a_store_that_fails_the_lease_fails_its_calls_closed_and_the_next_
     kind: str, make_store: Any, db_pool: asyncpg.Pool
 ) -> None:
     faults = Faults(fail_on={1})
-    store = await make_store(kind, faults)
-    budget = key_budget(1_000_000)
-    await seeded(kind, store, budget)
+    store, budget = await budget_store(kind, make_store, 1_000_000, faults)
     gate = leased_gate(store)
     failed = await asyncio.gather(*(hold(gate, budget, 1_000) for _ in range(5)), return_exceptions=True)
     assert all(isinstance(f, ServiceUnavailable) and f.error_code == "budget_unavailable" for f in failed), failed
@@ -241,9 +255,7 @@ async def test_a_store_that_fails_the_lease_fails_its_calls_closed_and_the_next_
 
 @pytest.mark.parametrize("kind", STORES)
 async def test_closing_releases_leases_whose_calls_ended(kind: str, make_store: Any, db_pool: asyncpg.Pool) -> None:
-    store = await make_store(kind, Faults())
-    budget = key_budget(1_000_000)
-    await seeded(kind, store, budget)
+    store, budget = await budget_store(kind, make_store, 1_000_000)
     gate = leased_gate(store)
     gate.settles_at_once(await hold(gate, budget, 1_000), 0)  # cost nothing: nothing to wait for
     await gate.leases.close()

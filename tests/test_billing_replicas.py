@@ -41,6 +41,40 @@ async def call(session: aiohttp.ClientSession, replica: GatewayProcess, key: str
         return resp.status
 
 
+async def ledger_spend_once_shipped(pool: asyncpg.Pool, key_id: uuid.UUID, rows: int) -> Decimal:
+    """The key's ledger spend once both replicas have shipped its ``rows`` rows (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if await pool.fetchval("SELECT count(*) FROM usage_ledger WHERE api_key_id = $1", key_id) == rows:
+            break
+        await asyncio.sleep(0.1)
+    return Decimal(await pool.fetchval("SELECT coalesce(sum(cost_usd), 0) FROM usage_ledger WHERE api_key_id = $1",
+                                       key_id))
+
+
+async def kill_mid_stream(session: aiohttp.ClientSession, victim: GatewayProcess, key: str, body: dict[str, Any]) -> float:
+    """Start a stream on ``victim``, SIGKILL it once the stream is under way; when it died."""
+    resp = await session.post(f"{victim.url}/v1/chat/completions", json=body, headers=auth(key))
+    assert resp.status == 200
+    await resp.content.readline()  # under way: what it holds is open
+    victim.signal(signal.SIGKILL)
+    victim.wait(10)
+    resp.close()
+    return time.monotonic()
+
+
+async def admitted_again(session: aiohttp.ClientSession, survivor: GatewayProcess, key: str, body: dict[str, Any],
+                         *, since: float, what: str) -> None:
+    """Calls on ``survivor`` are refused (402) until the dead replica's hold expires, then admitted."""
+    while time.monotonic() - since < TTL_SECONDS + 8:
+        status = await call(session, survivor, key, body)
+        if status == 200:
+            return
+        assert status == 402
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"the killed replica's {what} never expired")
+
+
 @pytest.mark.parametrize("store", ["redis", "postgresql"])
 async def test_fifty_calls_split_over_two_replicas_admit_at_most_ten(
     store: str, process_factory: Any, fake_factory: Any, key_factory: Any, db_pool: asyncpg.Pool, redis_url: str
@@ -52,12 +86,7 @@ async def test_fifty_calls_split_over_two_replicas_admit_at_most_ten(
         statuses = await asyncio.gather(*(call(session, pair[i % 2], raw) for i in range(50)))
     assert statuses.count(200) == 10 and statuses.count(402) == 40, statuses
     assert (await fake.stats())["requests"] == 10
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # both replicas ship their rows
-        if await db_pool.fetchval("SELECT count(*) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id) == 10:
-            break
-        await asyncio.sleep(0.1)
-    spent = await db_pool.fetchval("SELECT sum(cost_usd) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id)
+    spent = await ledger_spend_once_shipped(db_pool, record.api_key_id, 10)
     assert spent == Decimal("1")
 
 
@@ -72,22 +101,9 @@ async def test_a_killed_replicas_reservations_expire_and_the_budget_is_usable_ag
     big = chat_body("hello there", max_tokens=100, stream=True)
     victim, survivor = pair
     async with aiohttp.ClientSession() as session:
-        resp = await session.post(f"{victim.url}/v1/chat/completions", json=big, headers=auth(raw))
-        assert resp.status == 200
-        await resp.content.readline()  # under way: its reservation is open
-        victim.signal(signal.SIGKILL)
-        victim.wait(10)
-        resp.close()
-        killed_at = time.monotonic()
+        killed_at = await kill_mid_stream(session, victim, raw, big)  # its reservation open
         assert await call(session, survivor, raw, big) == 402  # the dead call still holds it
-        while time.monotonic() - killed_at < TTL_SECONDS + 8:
-            status = await call(session, survivor, raw, big)
-            if status == 200:
-                break
-            assert status == 402
-            await asyncio.sleep(0.2)
-        else:
-            raise AssertionError("the killed replica's reservation never expired")
+        await admitted_again(session, survivor, raw, big, since=killed_at, what="reservation")
 
 
 @pytest.mark.parametrize("store", ["postgresql", "redis"])
@@ -106,12 +122,7 @@ async def test_leases_on_two_replicas_never_overspend_and_leave_at_most_their_un
     assert admitted + statuses.count(402) == 100, statuses
     assert 60 - 2 * 15 <= admitted <= 60, statuses
     assert (await fake.stats())["requests"] == admitted
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # both replicas ship their rows
-        if await db_pool.fetchval("SELECT count(*) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id) == admitted:
-            break
-        await asyncio.sleep(0.1)
-    spent = await db_pool.fetchval("SELECT sum(cost_usd) FROM usage_ledger WHERE api_key_id = $1", record.api_key_id)
+    spent = await ledger_spend_once_shipped(db_pool, record.api_key_id, admitted)
     assert spent == Decimal("0.1") * admitted <= Decimal("6")
 
 
@@ -126,20 +137,7 @@ async def test_a_killed_replicas_lease_expires_and_the_budget_is_usable_again(
     big = chat_body("hello there", max_tokens=1, stream=True)
     victim, survivor = pair
     async with aiohttp.ClientSession() as session:
-        resp = await session.post(f"{victim.url}/v1/chat/completions", json=big, headers=auth(raw))
-        assert resp.status == 200
-        await resp.content.readline()  # under way, admitted from the victim's lease of 0.8 USD
-        victim.signal(signal.SIGKILL)
-        victim.wait(10)
-        resp.close()
-        killed_at = time.monotonic()
+        killed_at = await kill_mid_stream(session, victim, raw, big)  # admitted from its lease of 0.8 USD
         # The survivor's own lease (0.8 USD) fits beside the dead one: eight calls, then refused.
         assert [await call(session, survivor, raw) for _ in range(9)] == [200] * 8 + [402]
-        while time.monotonic() - killed_at < TTL_SECONDS + 8:
-            status = await call(session, survivor, raw)
-            if status == 200:
-                break
-            assert status == 402
-            await asyncio.sleep(0.2)
-        else:
-            raise AssertionError("the killed replica's lease never expired")
+        await admitted_again(session, survivor, raw, ONE_WORD, since=killed_at, what="lease")
