@@ -5,7 +5,7 @@
 Drives the per-chunk path a chat stream relayed to a chat client takes, with the real
 code at every step but the sockets: the OpenAI provider's event iterator
 (``gateway.providers.openai._events``, over ``iter_events``) reading a fake aiohttp
-response whose ``content.iter_any()`` hands over ``K`` events per read (default 1, as in
+response whose ``content.readany()`` hands over ``K`` events per read (default 1, as in
 S3, where chunks come 20 ms apart), the first event read by dispatch's ``_first_event``,
 the breaker's ``_watch`` generator, the chat adapter's relay (``_ChatRelay`` over a
 ``StreamTap``) and a copy of the loop of ``pipeline._stream`` (its guard, cache, checks
@@ -73,36 +73,45 @@ def stream_events(openai: bool = False) -> list[bytes]:
     return [b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
 
 
-class _Reads:
-    """``resp.content.iter_any()``: one awaited read per item, as aiohttp's iterator is."""
+class _Content:
+    """``resp.content``: one awaited ``readany`` per read, as aiohttp's stream reader is."""
 
     __slots__ = ("_reads",)
 
     def __init__(self, reads: list[bytes]) -> None:
         self._reads = iter(reads)
 
-    def __aiter__(self) -> _Reads:
-        return self
-
-    async def __anext__(self) -> bytes:
+    async def readany(self) -> bytes:
         for read in self._reads:
             return read
-        raise StopAsyncIteration
+        return b""
+
+    def set_exception(self, exc: BaseException) -> None:
+        raise AssertionError(f"the stream's idle bound fired during the measure: {exc}")
 
 
-class _Content:
-    def __init__(self, reads: list[bytes]) -> None:
-        self._reads = reads
+class _Protocol:
+    """The connection's protocol: the request's ``sock_read``, taken over by ``stream_chunks``."""
 
-    def iter_any(self) -> _Reads:
-        return _Reads(self._reads)
+    read_timeout: float | None = 300.0
+
+
+class _Connection:
+    def __init__(self) -> None:
+        self.protocol = _Protocol()
 
 
 class _Response:
-    """The upstream aiohttp response, as ``_events`` reads it."""
+    """The upstream aiohttp response, as ``_events`` (through ``stream_chunks``) reads it."""
+
+    closed = False
 
     def __init__(self, reads: list[bytes]) -> None:
         self.content = _Content(reads)
+        self.connection = _Connection()
+
+    def close(self) -> None:
+        self.closed = True
 
 
 class _Breaker:

@@ -49,7 +49,13 @@ from gateway.http.middleware import request_id_of
 from gateway.http.state import STATE, GatewayState
 from gateway.protocols.sse import event_data, iter_events
 from gateway.protocols.usage_shapes import UsageSniffer
-from gateway.providers.base import Provider, ProviderError, client_timeout, map_transport_errors
+from gateway.providers.base import (
+    Provider,
+    ProviderError,
+    client_timeout,
+    map_transport_errors,
+    stream_chunks,
+)
 
 __all__ = ["PASSTHROUGH_ROUTE", "passthrough"]
 
@@ -172,7 +178,7 @@ async def _chunks(
 ) -> AsyncIterator[bytes]:
     """The upstream body chunk by chunk, each written to the client before it is yielded."""
     with map_transport_errors():
-        async for chunk in upstream.content.iter_any():
+        async for chunk in stream_chunks(upstream):
             if record.ttft is None and record.stream:
                 record.ttft = time.monotonic() - started
             await response.write(chunk)

@@ -40,6 +40,7 @@ from gateway.providers.base import (
     fetch_model_ids,
     map_transport_errors,
     read_reply,
+    stream_chunks,
 )
 
 __all__ = [
@@ -190,7 +191,7 @@ class AnthropicProvider(Provider):
 
 async def _native_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     with map_transport_errors():
-        async for event in iter_events(resp.content.iter_any()):
+        async for event in iter_events(stream_chunks(resp)):
             yield event
 
 
@@ -201,7 +202,7 @@ def _wants_usage(body: Mapping[str, Any]) -> bool:
 
 async def _translated_events(resp: aiohttp.ClientResponse, translator: StreamTranslator) -> AsyncIterator[bytes]:
     with map_transport_errors():
-        async for event in iter_events(resp.content.iter_any()):
+        async for event in iter_events(stream_chunks(resp)):
             for out in translator.feed(event):
                 yield out
 

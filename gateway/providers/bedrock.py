@@ -56,6 +56,7 @@ from gateway.providers.base import (
     json_object,
     map_transport_errors,
     read_reply,
+    stream_chunks,
 )
 from gateway.providers.credentials import RefreshedInThread
 
@@ -294,7 +295,7 @@ async def _translated_events(resp: aiohttp.ClientResponse, translator: wire.Stre
     """ConverseStream's binary frames, CRC-checked by botocore, as OpenAI chunk events."""
     frames = EventStreamBuffer()
     with map_transport_errors():
-        async for chunk in resp.content.iter_any():
+        async for chunk in stream_chunks(resp):
             frames.add_data(chunk)
             try:
                 # One frame at a time: those before a broken one are still relayed.

@@ -34,6 +34,7 @@ from gateway.providers.base import (
     json_object,
     map_transport_errors,
     read_reply,
+    stream_chunks,
 )
 
 __all__ = ["GeminiProvider", "google_error_reply", "translated"]
@@ -120,7 +121,7 @@ class GeminiProvider(Provider):
         if not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
             raise UpstreamProtocolError("gemini answered a stream request without an event stream")
         translator = wire.StreamTranslator(model=model, include_usage=include_usage)
-        events = iter_events(resp.content.iter_any())
+        events = iter_events(stream_chunks(resp))
         first: dict[str, Any] | None = None
         with map_transport_errors():
             async for event in events:

@@ -25,6 +25,7 @@ from gateway.providers.base import (
     fetch_model_ids,
     map_transport_errors,
     read_reply,
+    stream_chunks,
 )
 
 __all__ = ["OpenAIProvider"]
@@ -136,5 +137,5 @@ def _checked_whole_answer(payload: bytes, content_type: str, *, stream: bool) ->
 
 async def _events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     with map_transport_errors():
-        async for event in iter_events(resp.content.iter_any()):
+        async for event in iter_events(stream_chunks(resp)):
             yield event

@@ -46,6 +46,7 @@ from gateway.providers.base import (
     json_object,
     map_transport_errors,
     read_reply,
+    stream_chunks,
 )
 from gateway.providers.credentials import RefreshedInThread
 from gateway.providers.gemini import GeminiProvider, google_error_reply, translated
@@ -182,7 +183,7 @@ async def _anthropic_events(
     resp: aiohttp.ClientResponse, translator: anthropic.StreamTranslator
 ) -> AsyncIterator[bytes]:
     with map_transport_errors():
-        async for event in iter_events(resp.content.iter_any()):
+        async for event in iter_events(stream_chunks(resp)):
             for out in translator.feed(event):
                 yield out
 
