@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +70,8 @@ _DEFAULTS: Mapping[str, Any] = {
     "logprobs": False, "parallel_tool_calls": True,
 }
 _USAGE_NULL = b',"usage":null'
+#: A chat stream's end marker: a replayed hit sends it only once its record is journaled.
+_DONE = b"data: [DONE]\n\n"
 
 
 def _number(value: Any) -> Any:
@@ -235,9 +237,10 @@ def _client_events(entry: CacheEntry, wants_usage: bool) -> bytes:
 
 async def replay(
     request: web.Request, entry: CacheEntry, ticket: CacheTicket, body: Mapping[str, Any],
-    record: CallRecord, sse_headers: Mapping[str, str],
+    record: CallRecord, sse_headers: Mapping[str, str], conclude: Callable[[], None],
 ) -> web.StreamResponse:
-    """Answer from ``entry``: the stored body, or its events as an SSE stream."""
+    """Answer from ``entry``: the stored body, or its events as an SSE stream, ``conclude``
+    (the record journaled) called before the stream's ``[DONE]`` is sent."""
     record.status = 200
     record.served_model = entry.model
     record.response_id = entry.response_id
@@ -249,10 +252,19 @@ async def replay(
         return web.Response(body=entry.body, headers={"Content-Type": entry.content_type, **ticket.headers()})
     options = body.get("stream_options")
     wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+    events = _client_events(entry, wants_usage)
+    head, end = (events[: -len(_DONE)], _DONE) if events.endswith(_DONE) else (events, b"")
     response = web.StreamResponse(status=200, headers={**sse_headers, **ticket.headers()})
     await response.prepare(request)
     try:
-        await response.write(_client_events(entry, wants_usage))
+        await response.write(head)
     except ConnectionError:
         record.outcome = "cancelled"
+        return response  # the client left: serve's end records it
+    conclude()
+    if end:
+        try:
+            await response.write(end)
+        except ConnectionError:
+            pass  # gone before the last bytes: the call was served and is recorded as such
     return response

@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -170,10 +171,11 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
     try:
         response: web.StreamResponse
         if cache is not None and (hit := await cache.lookup()) is not None:
+            conclude = _concluder(state, record, started, cache.status)
             if protocol.name == "chat":
-                response = await replay(request, hit, cache, body, record, SSE_HEADERS)
+                response = await replay(request, hit, cache, body, record, SSE_HEADERS, conclude)
             else:
-                response = await _replay_in(request, protocol, hit, cache, parsed, record, started)
+                response = await _replay_in(request, protocol, hit, cache, parsed, record, started, conclude)
         elif stream:
             response = await _stream(request, state, protocol, route, parsed, record, started, cache, guard, capture)
         else:
@@ -202,9 +204,23 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
         telemetry.end_call(request, observed, record)
 
 
+def _concluder(state: GatewayState, record: CallRecord, started: float, cache_status: str | None) -> Callable[[], None]:
+    """What a streamed cache hit calls before its end marker: the record finished (and so
+    journaled) first, as a live stream's is, so a crash between the two loses the end of an
+    answer (the client retries), never the row of one it was served. A whole hit needs no
+    call: its record is finished before aiohttp sends the body."""
+
+    def conclude() -> None:
+        record.latency = time.monotonic() - started
+        record.cache = cache_status
+        _finish(state, record)
+
+    return conclude
+
+
 async def _replay_in(
     request: web.Request, protocol: Inbound, entry: CacheEntry, ticket: CacheTicket, parsed: Parsed,
-    record: CallRecord, started: float,
+    record: CallRecord, started: float, conclude: Callable[[], None],
 ) -> web.StreamResponse:
     """A cache hit for a client of another protocol: the stored chat-shaped answer rendered
     by its adapter, exactly as a live answer from a chat deployment would be."""
@@ -223,11 +239,15 @@ async def _replay_in(
     relay = protocol.relay(reply, parsed, False, prompt_estimate)
     response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **ticket.headers()})
     await response.prepare(request)
+    ending: list[bytes] = []  # what the stored end became, held back as a live stream's is
     try:
         for event in entry.events():
             out = relay.feed(event)
             if out:
-                await response.write(out)
+                if relay.done:
+                    ending.append(out)
+                else:
+                    await response.write(out)
     except ConnectionError:
         record.outcome = "cancelled"
     relay.settle(record, started, prompt_estimate)
@@ -235,6 +255,14 @@ async def _replay_in(
     # the tokens say what was served (nothing was spent).
     record.ttft = None
     record.usage = Usage(entry.prompt_tokens, entry.completion_tokens, cost_usd=0.0)
+    if record.outcome == "cancelled":
+        return response  # the client left: serve's end records it
+    conclude()
+    if ending:
+        try:
+            await response.write(b"".join(ending))
+        except ConnectionError:
+            pass  # gone before the last bytes: the call was served and is recorded as such
     return response
 
 

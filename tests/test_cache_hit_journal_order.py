@@ -1,0 +1,81 @@
+"""A streamed answer's record is journaled before its end marker is sent, live or from the
+response cache, on every route: a crash between the two then loses the end of an answer
+(the client retries), never the ledger row of one it was served.
+
+The order is read on the gateway's own side: ``StreamResponse.write`` is wrapped to note
+when the end marker goes out, and a call listener (after billing's, which appends the
+journal line) notes when the record is final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tests.cache_helpers import cached_config, settle
+from tests.conftest import FakeUpstream, Gateway, auth
+
+#: Bytes only an end event holds, per protocol: chat's [DONE], Anthropic's message_stop,
+#: the Responses API's response.completed.
+END_MARKERS = (b"data: [DONE]", b"event: message_stop", b"event: response.completed")
+
+
+def _watch_order(monkeypatch: pytest.MonkeyPatch, gw: Gateway) -> list[str]:
+    order: list[str] = []
+    original = web.StreamResponse.write
+
+    async def write(self: web.StreamResponse, data: bytes | bytearray | memoryview) -> None:
+        if any(marker in bytes(data) for marker in END_MARKERS):
+            order.append("end sent")
+        elif data:
+            order.append("chunk sent")
+        await original(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    gw.state.call_listeners.append(lambda record: order.append(f"journaled {record.cache}"))
+    return order
+
+
+def _chat(gw: Gateway, key: str) -> Callable[[], Awaitable[Any]]:
+    body = {"model": "cached", "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": "the order of things"}]}
+    return lambda: gw.data.post("/v1/chat/completions", json=body, headers=auth(key))
+
+
+def _messages(gw: Gateway, key: str) -> Callable[[], Awaitable[Any]]:
+    body = {"model": "cached", "temperature": 0, "stream": True, "max_tokens": 50,
+            "messages": [{"role": "user", "content": "the order of things"}]}
+    return lambda: gw.data.post("/v1/messages", json=body, headers={"x-api-key": key})
+
+
+def _responses(gw: Gateway, key: str) -> Callable[[], Awaitable[Any]]:
+    body = {"model": "cached", "temperature": 0, "stream": True, "input": "the order of things"}
+    return lambda: gw.data.post("/v1/responses", json=body, headers=auth(key))
+
+
+@pytest.mark.parametrize("route", [_chat, _messages, _responses], ids=["chat", "messages", "responses"])
+async def test_a_streamed_answer_is_journaled_before_its_end_live_and_from_the_cache(
+    gateway_factory: Any, fake: FakeUpstream, api_key: str, monkeypatch: pytest.MonkeyPatch, route: Any,
+) -> None:
+    gw: Gateway = await gateway_factory(config_yaml=cached_config(fake.url))
+    order = _watch_order(monkeypatch, gw)
+    call = route(gw, api_key)
+
+    live = await call()
+    assert live.status == 200 and live.headers["x-gateway-cache"] == "miss"
+    raw = await live.read()
+    assert any(marker in raw for marker in END_MARKERS)
+    assert order[-2:] == ["journaled miss", "end sent"], order
+    await settle(gw, 1)
+
+    order.clear()
+    hit = await call()
+    assert hit.status == 200 and hit.headers["x-gateway-cache"] == "hit"
+    raw = await hit.read()
+    assert any(marker in raw for marker in END_MARKERS)
+    # What the answer holds goes first, then its row, then its end: nothing after.
+    assert order[0] == "chunk sent" and order[-2:] == ["journaled hit", "end sent"], order
+    assert order.count("journaled hit") == 1
