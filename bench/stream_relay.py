@@ -76,13 +76,15 @@ def stream_events(openai: bool = False) -> list[bytes]:
 class _Content:
     """``resp.content``: one awaited ``readany`` per read, as aiohttp's stream reader is."""
 
-    __slots__ = ("_reads",)
+    __slots__ = ("_reads", "total_bytes")
 
     def __init__(self, reads: list[bytes]) -> None:
         self._reads = iter(reads)
+        self.total_bytes = 0  # what aiohttp's reader counts as received
 
     async def readany(self) -> bytes:
         for read in self._reads:
+            self.total_bytes += len(read)
             return read
         return b""
 

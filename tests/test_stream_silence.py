@@ -78,6 +78,20 @@ async def test_a_silence_past_the_bound_fails_the_read_as_a_timeout_and_drops_th
         again.release()
 
 
+async def test_a_slow_reader_is_not_a_silent_upstream(aiohttp_server: Any) -> None:
+    # The relay's client takes its time: the next read comes two bounds after the last,
+    # while the upstream kept sending. What waits unread is not a silence: no timeout.
+    server = await _scripted_server(aiohttp_server)
+    async with aiohttp.ClientSession() as session:
+        resp = await session.get(server.make_url("/?gaps=" + ",".join(["0.1"] * 10)), timeout=_timeout())
+        chunks = stream_chunks(resp)
+        received = [await chunks.__anext__()]
+        await asyncio.sleep(IDLE * 2)
+        received += [chunk async for chunk in chunks]
+        resp.release()
+    assert b"".join(received) == b"".join(f"data: {n}\n\n".encode() for n in range(11))
+
+
 async def test_a_stream_released_mid_way_is_not_failed_later(aiohttp_server: Any) -> None:
     # A relay whose client left releases the upstream and stops reading: the timer, when it
     # fires, finds the response closed and leaves it be.

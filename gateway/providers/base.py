@@ -353,6 +353,8 @@ def stream_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     bound up to the headers (and the bytes read with them); from there each chunk only
     notes the time, and the one timer, when it fires, either waits on until the last read's
     bound or fails the read as aiohttp would (``SocketTimeoutError``, the connection closed).
+    Bytes that came and wait unread (the relay's client is slow to take them) are not a
+    silence of the upstream: the bound waits on, as aiohttp's does while bytes arrive.
     """
     connection = resp.connection
     protocol = connection.protocol if connection is not None else None
@@ -366,7 +368,7 @@ def stream_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
 class _SilenceBound:
     """:func:`stream_chunks`' iterator: ``readany`` until the end, behind a lazy idle timer."""
 
-    __slots__ = ("_content", "_idle", "_last_read", "_loop", "_resp", "_timer")
+    __slots__ = ("_content", "_idle", "_last_read", "_loop", "_received_at_read", "_resp", "_timer")
 
     def __init__(self, resp: aiohttp.ClientResponse, idle: float) -> None:
         self._resp = resp
@@ -374,6 +376,8 @@ class _SilenceBound:
         self._idle = idle
         self._loop = asyncio.get_running_loop()
         self._last_read = self._loop.time()
+        #: The body's bytes received as of the last read (``readany`` takes all there are).
+        self._received_at_read = self._content.total_bytes
         self._timer: asyncio.TimerHandle | None = self._loop.call_at(self._last_read + idle, self._check)
 
     def __aiter__(self) -> _SilenceBound:
@@ -387,6 +391,7 @@ class _SilenceBound:
             raise
         if chunk:
             self._last_read = self._loop.time()
+            self._received_at_read = self._content.total_bytes
             return chunk
         self._disarm()
         raise StopAsyncIteration
@@ -400,8 +405,14 @@ class _SilenceBound:
         self._timer = None
         if self._resp.closed:
             return  # released by a relay that stopped reading (its client left): nothing to bound
+        now = self._loop.time()
+        if self._content.total_bytes != self._received_at_read:
+            # Bytes came since the last read and wait for the relay (its client is slow):
+            # the upstream is not silent, and must not be blamed for a timeout.
+            self._timer = self._loop.call_at(now + self._idle, self._check)
+            return
         due = self._last_read + self._idle
-        if self._loop.time() < due:
+        if now < due:
             self._timer = self._loop.call_at(due, self._check)
             return
         # What aiohttp's own sock_read timer does: the waiting read raises, and the
