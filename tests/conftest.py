@@ -311,6 +311,15 @@ class GatewayProcess:
         return self.proc.wait(timeout=timeout)
 
 
+async def until(predicate: Callable[[], Any], timeout: float = 5.0, step: float = 0.01) -> None:
+    """Poll ``predicate`` on the loop until it is true; fail the test after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(step)
+
+
 async def wait_until_ready(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:

@@ -23,7 +23,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from actors.runtime import Actor, ActorError, ActorRef, ActorStopped, AskTimeout, MailboxFull, Supervisor
 from gateway.http.middleware import error_middleware
-from tests.conftest import Gateway, chat_body
+from tests.conftest import Gateway, chat_body, until
 
 
 # ----------------------------------------------------------------------------- messages
@@ -175,15 +175,6 @@ async def hold(probe: Probe, ref: ActorRef[Any]) -> None:
     probe.holding.clear()
     ref.tell(Hold())
     await asyncio.wait_for(probe.holding.wait(), 2)
-
-
-async def until(predicate: Any, timeout: float = 3.0) -> None:
-    """Poll ``predicate`` on the loop until true, bounded."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.002)
 
 
 # ----------------------------------------------------------------------------- tell / ask

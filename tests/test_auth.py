@@ -23,7 +23,7 @@ from actors.auth import AuthActor, AuthHandle, Unauthenticated
 from actors.runtime import ActorStopped, Supervisor
 from gateway.auth.keys import KeyPolicy, KeyStore, generate_key
 from gateway.auth.negative import NegativeCache
-from tests.conftest import FakeUpstream, auth, chat_body, config_for, via_proxy
+from tests.conftest import FakeUpstream, auth, chat_body, config_for, until, via_proxy
 
 LOOKUP = "FROM api_keys WHERE key_prefix = $1"
 TOUCH = "SET last_used_at = now()"
@@ -52,14 +52,6 @@ class Auth:
     async def settle(self) -> None:
         """Let the driver's query-logger callbacks (scheduled with call_soon) run."""
         await asyncio.sleep(0.01)
-
-
-async def until(predicate: Callable[[], Any], timeout: float = 5.0, step: float = 0.02) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(step)
 
 
 async def accepted(handle: AuthHandle, token: str) -> bool:

@@ -25,7 +25,7 @@ from gateway.core.config import Price
 from gateway.core.errors import BudgetExceeded, ServiceUnavailable
 from gateway.core.settings import ConfigError, load_settings
 from tests.budget_stores import STORES, Faults, key_budget, open_reservations, seeded, subject_budget
-from tests.conftest import auth
+from tests.conftest import auth, until
 from tests.test_billing_reservations import TENTH_PER_TOKEN, call, ledger_spend, priced
 
 #: One micro-USD per token: a call with a prompt bound of P and an output cap of C costs at
@@ -164,10 +164,7 @@ async def test_a_lease_in_its_last_quarter_has_its_successor_granted_before_any_
     clock.now += 0.8  # the last quarter of the lease's second
     late = gate.leases.take((budget,), 1_000, uuid.uuid4())  # no I/O: still the first lease
     assert late is not None and late.lease is first.lease
-    for _ in range(200):
-        if gate.leases.granted == 2:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: gate.leases.granted == 2, timeout=2.0)
     assert gate.leases.granted == 2 and faults.round_trips == 2  # asked for in the background
     assert await open_reservations(kind, store, db_pool, budget) == 200_000  # both held meanwhile
     clock.now += 0.3  # the first lease's time is over: its successor admits, nobody waits
@@ -187,10 +184,7 @@ async def test_a_refused_successor_leaves_the_lease_admitting_until_it_is_spent(
     gate = leased_gate(store)  # leases of 10,000
     assert await store.reserve(Reservation(uuid.uuid4(), 90_000, (budget,)), 60) is None  # someone else's
     held = [await hold(gate, budget, 1_000) for _ in range(8)]  # 2,000 left: its successor is asked for
-    for _ in range(200):
-        if faults.round_trips == 3:
-            break
-        await asyncio.sleep(0.01)
+    await until(lambda: faults.round_trips == 3, timeout=2.0)
     assert faults.round_trips == 3 and gate.leases.granted == 1  # the successor did not fit
     more = [await outcome(gate, budget, 1_000) for _ in range(3)]
     assert [isinstance(m, Reservation) and m.lease is held[0].lease for m in more[:2]] == [True, True]
@@ -312,10 +306,7 @@ async def test_a_busy_budgeted_key_is_held_in_leases_and_its_spend_is_exact(
     assert await gw.state.billing.flush()
     assert await ledger_spend(db_pool, record.api_key_id) == Decimal("10")
     # The leases retire within their 0.2 s and are released once the ledger has their calls.
-    for _ in range(100):
-        if leases.held == 0:
-            break
-        await asyncio.sleep(0.05)
+    await until(lambda: leases.held == 0)
     assert leases.held == 0
     if store == "postgresql":
         assert await db_pool.fetchval("SELECT count(*) FROM budget_reservations WHERE id = $1", record.api_key_id) == 0

@@ -16,7 +16,7 @@ import pytest
 
 from gateway.auth.keys import generate_key
 from gateway.core.config import ConfigError, load_config, load_settings
-from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for, sse_payloads
+from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for, sse_payloads, until
 
 HOUR = 3600
 #: OpenAI's duration format: 20ms, 1s, 1.5s, 6m0s, 1h2m3s.
@@ -184,14 +184,6 @@ async def test_concurrency_is_released_on_success_error_and_disconnect(
     await fake.session.delete(f"{fake.url[:-3]}/_fake/script")
     assert (await gw.data.post("/v1/chat/completions", json=chat_body(), headers=auth(raw))).status == 200
     assert key_id not in inflight
-
-
-async def until(condition: Any, bound: float = 3.0) -> None:
-    for _ in range(int(bound / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not met in time")
 
 
 async def test_the_per_ip_guard_refuses_a_flood_before_any_database_work(
