@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,7 @@ __all__ = [
     "OPT_IN",
     "SIMILARITY_HEADER",
     "CacheTicket",
+    "EndStream",
     "client_directives",
     "exact_key",
     "is_deterministic",
@@ -72,6 +73,10 @@ _DEFAULTS: Mapping[str, Any] = {
 _USAGE_NULL = b',"usage":null'
 #: A chat stream's end marker: a replayed hit sends it only once its record is journaled.
 _DONE = b"data: [DONE]\n\n"
+
+#: How a streamed answer is ended once the client has all but its end: the call's record
+#: is finished (journaled) first, then the end bytes are sent (the edge's pipeline gives it).
+EndStream = Callable[[web.StreamResponse, bytes], Awaitable[None]]
 
 
 def _number(value: Any) -> Any:
@@ -237,10 +242,10 @@ def _client_events(entry: CacheEntry, wants_usage: bool) -> bytes:
 
 async def replay(
     request: web.Request, entry: CacheEntry, ticket: CacheTicket, body: Mapping[str, Any],
-    record: CallRecord, sse_headers: Mapping[str, str], conclude: Callable[[], None],
+    record: CallRecord, sse_headers: Mapping[str, str], end_stream: EndStream,
 ) -> web.StreamResponse:
-    """Answer from ``entry``: the stored body, or its events as an SSE stream, ``conclude``
-    (the record journaled) called before the stream's ``[DONE]`` is sent."""
+    """Answer from ``entry``: the stored body, or its events as an SSE stream whose
+    ``[DONE]`` goes through ``end_stream`` (after the record is journaled)."""
     record.status = 200
     record.served_model = entry.model
     record.response_id = entry.response_id
@@ -261,10 +266,5 @@ async def replay(
     except ConnectionError:
         record.outcome = "cancelled"
         return response  # the client left: serve's end records it
-    conclude()
-    if end:
-        try:
-            await response.write(end)
-        except ConnectionError:
-            pass  # gone before the last bytes: the call was served and is recorded as such
+    await end_stream(response, end)
     return response

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -33,7 +33,7 @@ import orjson
 from aiohttp import web
 
 from gateway.billing.pricing import settle_cost
-from gateway.cache.keys import CacheTicket, replay
+from gateway.cache.keys import CacheTicket, EndStream, replay
 from gateway.cache.store import CacheEntry
 from gateway.core.errors import GatewayError, GuardrailBlocked, UpstreamTimeout, UpstreamUnavailable
 from gateway.core.tokens import prompt_tokens
@@ -171,11 +171,11 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
     try:
         response: web.StreamResponse
         if cache is not None and (hit := await cache.lookup()) is not None:
-            conclude = _concluder(state, record, started, cache.status)
+            end_stream = functools.partial(_record_then_end, state, record, started, cache.status)
             if protocol.name == "chat":
-                response = await replay(request, hit, cache, body, record, SSE_HEADERS, conclude)
+                response = await replay(request, hit, cache, body, record, SSE_HEADERS, end_stream)
             else:
-                response = await _replay_in(request, protocol, hit, cache, parsed, record, started, conclude)
+                response = await _replay_in(request, protocol, hit, cache, parsed, record, started, end_stream)
         elif stream:
             response = await _stream(request, state, protocol, route, parsed, record, started, cache, guard, capture)
         else:
@@ -204,23 +204,27 @@ async def serve(request: web.Request, protocol: Inbound) -> web.StreamResponse:
         telemetry.end_call(request, observed, record)
 
 
-def _concluder(state: GatewayState, record: CallRecord, started: float, cache_status: str | None) -> Callable[[], None]:
-    """What a streamed cache hit calls before its end marker: the record finished (and so
-    journaled) first, as a live stream's is, so a crash between the two loses the end of an
-    answer (the client retries), never the row of one it was served. A whole hit needs no
-    call: its record is finished before aiohttp sends the body."""
-
-    def conclude() -> None:
-        record.latency = time.monotonic() - started
-        record.cache = cache_status
-        _finish(state, record)
-
-    return conclude
+async def _record_then_end(
+    state: GatewayState, record: CallRecord, started: float, cache_status: str | None,
+    response: web.StreamResponse, ending: bytes,
+) -> None:
+    """Finish the record (billing journals it before this returns), then send the stream's
+    ``ending``: a crash between the two loses an answer's end (the client retries), never
+    the row of one it was served. Every streamed answer ends through here, live or from the
+    cache; a whole answer needs none (its record is finished before aiohttp sends the body)."""
+    record.latency = time.monotonic() - started
+    record.cache = cache_status
+    _finish(state, record)
+    if ending:
+        try:
+            await response.write(ending)
+        except ConnectionError:
+            pass  # gone before the last bytes: the call was served and is recorded as such
 
 
 async def _replay_in(
     request: web.Request, protocol: Inbound, entry: CacheEntry, ticket: CacheTicket, parsed: Parsed,
-    record: CallRecord, started: float, conclude: Callable[[], None],
+    record: CallRecord, started: float, end_stream: EndStream,
 ) -> web.StreamResponse:
     """A cache hit for a client of another protocol: the stored chat-shaped answer rendered
     by its adapter, exactly as a live answer from a chat deployment would be."""
@@ -255,14 +259,8 @@ async def _replay_in(
     # the tokens say what was served (nothing was spent).
     record.ttft = None
     record.usage = Usage(entry.prompt_tokens, entry.completion_tokens, cost_usd=0.0)
-    if record.outcome == "cancelled":
-        return response  # the client left: serve's end records it
-    conclude()
-    if ending:
-        try:
-            await response.write(b"".join(ending))
-        except ConnectionError:
-            pass  # gone before the last bytes: the call was served and is recorded as such
+    if record.outcome != "cancelled":  # else the client left: serve's end records it
+        await end_stream(response, b"".join(ending))
     return response
 
 
@@ -423,14 +421,8 @@ async def _stream(
         # an answer's end (the client retries) rather than a record of what it was served.
         await reply.release()
         conclude()
-        record.latency = time.monotonic() - started
-        record.cache = None if cache is None else cache.status
-        _finish(state, record)
-        if ending:
-            try:
-                await response.write(b"".join(ending))
-            except ConnectionError:
-                pass  # gone before the last bytes: the call was served and is recorded as such
+        await _record_then_end(state, record, started, None if cache is None else cache.status,
+                               response, b"".join(ending))
     except GuardrailBlocked as exc:
         # An output policy matched mid-stream: the client gets one error event, never the text.
         record.outcome, record.error_type = "blocked", exc.error_code
