@@ -189,3 +189,81 @@ async def test_a_whole_answer_is_parsed_once(
         assert resp.status == 200
         answer = await resp.read()
         assert counting.parsed.count(answer) == 1, (path, len(counting.parsed))
+
+
+# ----------------------------------------------------------------------------- read_whole
+async def _served_once(aiohttp_server: Any, handler: Any) -> tuple[Any, str]:
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/", handler)
+    server = await aiohttp_server(app)
+    return server, str(server.make_url("/"))
+
+
+async def test_a_body_read_whole_is_the_same_whether_it_came_with_the_headers_or_after(aiohttp_server: Any) -> None:
+    # read_whole takes a body that arrived with its headers in one step, and reads one
+    # still arriving chunk by chunk: both give every byte, and both hold the bound.
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from gateway.providers.base import UpstreamBodyTooLarge, read_whole
+
+    body = b'{"answer": "' + b"word " * 400 + b'"}'
+
+    async def whole(_request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type="application/json")
+
+    async def in_pieces(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for start in range(0, len(body), 500):
+            await response.write(body[start:start + 500])
+            await asyncio.sleep(0.01)
+        await response.write_eof()
+        return response
+
+    for handler in (whole, in_pieces):
+        _server, url = await _served_once(aiohttp_server, handler)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url) as resp:
+                assert await read_whole(resp, 1 << 20) == body
+            async with session.get(url) as resp:
+                try:
+                    await read_whole(resp, len(body) - 1)
+                except UpstreamBodyTooLarge:
+                    pass
+                else:
+                    raise AssertionError(f"{handler.__name__}: a body over the bound was read whole")
+
+
+async def test_a_compressed_body_whose_decoded_size_passes_the_bound_is_refused(aiohttp_server: Any) -> None:
+    # The declared length is the compressed one: the bound is held on the decoded bytes,
+    # also when they all came with the headers.
+    import gzip
+
+    import aiohttp
+    from aiohttp import web
+
+    from gateway.providers.base import UpstreamBodyTooLarge, read_whole
+
+    decoded = b"x" * 100_000
+    packed = gzip.compress(decoded)
+
+    async def handler(_request: web.Request) -> web.Response:
+        return web.Response(body=packed, headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+
+    _server, url = await _served_once(aiohttp_server, handler)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url) as resp:
+            assert resp.content_length == len(packed) < 10_000
+            try:
+                await read_whole(resp, 10_000)
+            except UpstreamBodyTooLarge:
+                pass
+            else:
+                raise AssertionError("a decoded body over the bound was read whole")
+        async with session.get(url) as resp:
+            assert await read_whole(resp, 200_000) == decoded

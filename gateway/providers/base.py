@@ -432,9 +432,18 @@ async def read_whole(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     declared = resp.content_length
     if declared is not None and declared > limit and not resp.headers.get("Content-Encoding"):
         raise UpstreamBodyTooLarge(f"upstream answer of {declared} bytes is over the {limit}-byte limit")
+    content = resp.content
+    with map_transport_errors():
+        if content.is_eof():
+            # The whole body came with the headers (most whole answers): take it as it is,
+            # without an iterator and a read coroutine per chunk.
+            whole = content.read_nowait(-1)
+            if len(whole) > limit:
+                raise UpstreamBodyTooLarge(f"upstream answer is over the {limit}-byte limit")
+            return whole
     body = bytearray()
     with map_transport_errors():
-        async for chunk in resp.content.iter_chunked(256 * 1024):
+        async for chunk in content.iter_chunked(256 * 1024):
             body += chunk
             if len(body) > limit:
                 raise UpstreamBodyTooLarge(f"upstream answer is over the {limit}-byte limit")
