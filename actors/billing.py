@@ -166,6 +166,7 @@ class BillingActor(Actor[Flush | Spend | Settle]):
         reservation_ttl: float = 600.0,
         lease_fraction: float = 0.0,
         lease_seconds: float = 1.0,
+        lease_standby_seconds: float = 0.0,
     ) -> None:
         self.mailbox_size = mailbox_size
         super().__init__()
@@ -185,7 +186,7 @@ class BillingActor(Actor[Flush | Spend | Settle]):
         self.subject_budgets: Mapping[uuid.UUID, tuple[Decimal, str]] = MappingProxyType(self._subject_budgets)
         self.gate = BudgetGate(
             reservations or PostgresReservations(pool), ttl=reservation_ttl, subject_budgets=self.subject_budgets,
-            lease_fraction=lease_fraction, lease_seconds=lease_seconds,
+            lease_fraction=lease_fraction, lease_seconds=lease_seconds, lease_standby_seconds=lease_standby_seconds,
         )
         self._settling: set[asyncio.Task[None]] = set()
         self._budgeted_keys = 0

@@ -41,11 +41,15 @@ class Clock:
         return self.now
 
 
-def leased_gate(store: Any, *, fraction: float = 0.1, seconds: float = 1.0, clock: Clock | None = None) -> BudgetGate:
+def leased_gate(
+    store: Any, *, fraction: float = 0.1, seconds: float = 1.0, clock: Clock | None = None, standby: float = 0.0,
+) -> BudgetGate:
     """A gate whose leases run on ``clock`` (their sweeper never wakes within a test: it
-    sleeps ``seconds / 2`` of real time, and the tests sweep by hand)."""
+    sleeps ``seconds / 2`` of real time, and the tests sweep by hand). ``standby``: the
+    leases' ``standby_seconds`` (0, the default here: a lease past its time retires)."""
     gate = BudgetGate(store, ttl=600, subject_budgets={})
-    gate.leases = BudgetLeases(store, ttl=600, fraction=fraction, seconds=seconds, clock=clock or Clock())
+    gate.leases = BudgetLeases(
+        store, ttl=600, fraction=fraction, seconds=seconds, standby_seconds=standby, clock=clock or Clock())
     return gate
 
 
@@ -327,3 +331,87 @@ async def test_leases_are_off_with_a_zero_fraction_and_a_share_over_half_is_refu
     with pytest.raises(ConfigError, match="BUDGET_LEASE_FRACTION"):
         load_settings({"BUDGET_LEASE_FRACTION": "0.75"})
     assert load_settings({}).budget_lease_fraction == 0.02
+
+
+# ----------------------------------------------------------------------------- standby
+@pytest.mark.parametrize("kind", STORES)
+async def test_a_lease_past_its_time_stands_by_and_a_seldom_call_makes_no_round_trip(
+    kind: str, make_store: Any, db_pool: asyncpg.Pool
+) -> None:
+    """A budget called less than once a lease's second: its lease, past its time with no
+    successor, is cut down to what it has spent plus two calls' room and admits the next
+    calls in memory; the one that leaves it less than another call's room asks for a full
+    lease in the background, which takes over."""
+    faults = Faults()
+    store, budget = await budget_store(kind, make_store, 1_000_000, faults)
+    clock = Clock()
+    gate = leased_gate(store, clock=clock, standby=30.0)  # leases of 100,000
+    first = await hold(gate, budget, 1_000)
+    gate.settles_at_once(first, 400)
+    assert faults.round_trips == 1
+    clock.now += 1.0
+    await gate.leases.sweep()
+    # Standing by: its spend (400) and room for two calls of its largest (2 x 1,000).
+    assert await open_reservations(kind, store, db_pool, budget) == 2_400
+    assert gate.leases.held == 1
+    clock.now += 20.0  # long after the lease's second, within its standby
+    seldom = await hold(gate, budget, 1_000)
+    assert seldom.lease is first.lease and faults.round_trips == 1  # admitted in memory
+    await asyncio.sleep(0.05)
+    assert gate.leases.granted == 1  # room for one more: nothing asked of the store
+    last = await hold(gate, budget, 1_000)  # its last room: a full lease is asked for in the background
+    assert last.lease is first.lease
+    await until(lambda: gate.leases.granted == 2, timeout=2.0)
+    after = await hold(gate, budget, 1_000)
+    assert after.lease is not None and after.lease is not first.lease and faults.round_trips == 2
+    await gate.leases.sweep()  # the standby, retired, holds its two calls and its spend
+    assert await open_reservations(kind, store, db_pool, budget) == 100_000 + 2_400
+
+
+@pytest.mark.parametrize("kind", STORES)
+async def test_a_standby_admits_only_its_room_and_retires_unused_after_its_time(
+    kind: str, make_store: Any, db_pool: asyncpg.Pool
+) -> None:
+    faults = Faults()
+    store, budget = await budget_store(kind, make_store, 1_000_000, faults)
+    clock = Clock()
+    gate = leased_gate(store, clock=clock, standby=30.0)
+    first = await hold(gate, budget, 1_000)
+    gate.settles_at_once(first, 1_000)
+    clock.now += 1.0
+    await gate.leases.sweep()
+    assert await open_reservations(kind, store, db_pool, budget) == 3_000  # spent 1,000 + room 2,000
+    # A call larger than the room is not admitted from it: it waits for a full lease.
+    large = await hold(gate, budget, 5_000)
+    assert large.lease is not first.lease and faults.round_trips == 2
+    gate.settles_at_once(large, 0)
+    clock.now += 1.0
+    await gate.leases.sweep()  # the new lease stands by in turn; the first is given back
+    if kind == "postgresql":
+        await ledger_row(db_pool, first.reservation_id, budget, 1_000)
+        await gate.leases.sweep()
+    assert await open_reservations(kind, store, db_pool, budget) == 2 * 5_000  # two of the largest call
+    clock.now += 30.0  # unused for its whole standby: retired, then released (nothing held, nothing spent)
+    await gate.leases.sweep()
+    await gate.leases.sweep()
+    assert await open_reservations(kind, store, db_pool, budget) == 0
+    assert gate.leases.held == 0
+
+
+async def test_the_standby_is_on_by_default_and_zero_turns_it_off(
+    gateway_factory: Any, fake_factory: Any, key_factory: Any
+) -> None:
+    assert load_settings({}).budget_lease_standby_seconds == 30.0
+    assert load_settings({"BUDGET_LEASE_STANDBY_SECONDS": "0"}).budget_lease_standby_seconds == 0.0
+    with pytest.raises(ConfigError, match="BUDGET_LEASE_STANDBY_SECONDS"):
+        load_settings({"BUDGET_LEASE_STANDBY_SECONDS": "-1"})
+    fake = await fake_factory()
+    env = {"BUDGET_LEASE_SECONDS": "0.2", "BUDGET_LEASE_STANDBY_SECONDS": "30"}
+    gw = await gateway_factory(env=env, config_yaml=priced(fake.url, TENTH_PER_TOKEN))
+    raw, _ = await key_factory(budget_usd=Decimal("1000"), budget_period="day")
+    leases = gw.state.billing._gate.leases
+    assert await call(gw, raw) == 200
+    await until(lambda: any(lease.standby for lease in leases._active.values()), timeout=5.0)
+    granted = leases.granted
+    assert await call(gw, raw) == 200  # the key's next call, after its lease's time: from the standby
+    assert leases.admitted == 2 and leases.granted >= granted

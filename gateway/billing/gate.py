@@ -53,11 +53,13 @@ class BudgetGate:
 
     def __init__(
         self, store: ReservationStore, *, ttl: float, subject_budgets: Mapping[uuid.UUID, tuple[Decimal, str]],
-        lease_fraction: float = 0.0, lease_seconds: float = 1.0,
+        lease_fraction: float = 0.0, lease_seconds: float = 1.0, lease_standby_seconds: float = 0.0,
     ) -> None:
         self.store = store
         self.ttl = ttl
-        self.leases = BudgetLeases(store, ttl=ttl, fraction=lease_fraction, seconds=lease_seconds)
+        self.leases = BudgetLeases(
+            store, ttl=ttl, fraction=lease_fraction, seconds=lease_seconds, standby_seconds=lease_standby_seconds,
+        )
         #: Subject → (USD, period): the billing actor's published view, refreshed each second.
         self._subject_budgets = subject_budgets
         #: The budgets of a call, by everything they depend on: the same for every call of

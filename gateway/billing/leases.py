@@ -15,7 +15,14 @@ reservation per call: leases change who waits for the store, never the arithmeti
 
 A lease admits calls for ``seconds`` (or until it cannot fit the next one), then retires;
 in its last quarter (of time, or of headroom) the next one is asked for in the background,
-so a steadily busy budget's calls never wait for the store. A retired lease:
+so a steadily busy budget's calls never wait for the store. A lease whose time is over
+with no successor (its budget's calls stopped, or come seldom) *stands by* instead, for
+``standby_seconds``: it is cut down to what its calls still hold and have spent plus
+room for two calls as large as the largest it admitted, and admits from that. A key that
+calls now and then (less than once a ``seconds``) then finds a lease, and its call makes
+no round trip; a call that leaves the standby less than one more call's room asks for a
+full lease in the background, which replaces the standby when granted. A standby retires
+``standby_seconds`` after it began, or when a call does not fit. A retired lease:
 what it never used is given back at once (its amount shrinks to what its calls still
 hold and have spent), and the lease itself is released when its last call has ended and,
 in PostgreSQL, every call of it that cost anything has its ledger row (whose trigger added
@@ -30,8 +37,9 @@ or a lease the store refuses (the budget is nearly spent), goes back to one rese
 per call, exact to the last call. The price: while a budget is nearly spent, another
 replica's leases may hold what they never use, up to ``fraction`` of it per budget and
 replica (twice that while a successor granted ahead waits) for about a lease's
-``seconds``, so a call that would fit in what is truly left can be refused
-meanwhile. Never the reverse: nothing is admitted that the budget cannot cover.
+``seconds``, and a standby two calls' worst case for up to ``standby_seconds``, so a call
+that would fit in what is truly left can be refused meanwhile. Never the reverse:
+nothing is admitted that the budget cannot cover.
 """
 
 from __future__ import annotations
@@ -64,13 +72,21 @@ _ATTEMPTS = 3
 class Lease:
     """One lease: its reservation (id, amount, budgets) and what its calls use of it."""
 
-    __slots__ = ("admits_until", "costly_calls", "expires_at", "free", "open", "renew_at", "renewing",
-                 "reservation", "retired", "shrunk", "spent")
+    __slots__ = ("admits_until", "amount", "costly_calls", "expires_at", "free", "largest", "open", "renew_at",
+                 "renewing", "reservation", "retired", "shrunk", "spent", "standby")
 
-    def __init__(self, reservation: Reservation, admits_until: float, expires_at: float, renew_at: float) -> None:
+    def __init__(
+        self, reservation: Reservation, admits_until: float, expires_at: float, renew_at: float, largest: int = 0,
+    ) -> None:
         self.reservation = reservation
+        #: Micro-USD the store holds for it: the amount granted, until a standby cuts it down.
+        self.amount = reservation.amount_micro_usd
         #: Micro-USD still free: the amount less the running calls' holds and the ended calls' costs.
         self.free = reservation.amount_micro_usd
+        #: The largest hold of a call it (or the lease before it) admitted: a standby keeps two.
+        self.largest = largest
+        #: Past its time with no successor: cut down, admitting occasional calls.
+        self.standby = False
         self.admits_until = admits_until
         #: From then (or from a quarter of its amount left) the next lease is asked for, once.
         self.renew_at = renew_at
@@ -96,12 +112,16 @@ class BudgetLeases:
         ttl: float,
         fraction: float,
         seconds: float,
+        standby_seconds: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self._ttl = ttl
         self._fraction = fraction
         self._seconds = seconds
+        #: 0: a lease past its time retires at once (every call of a seldom-called budget
+        #: then waits for the store).
+        self._standby_seconds = standby_seconds
         self._clock = clock
         self._active: dict[tuple[Budget, ...], Lease] = {}
         #: Leases granted ahead (a renewal), admitting once the active one is done.
@@ -141,10 +161,13 @@ class BudgetLeases:
             self._retire(lease)  # then its successor, if one was granted ahead
         lease.free -= amount
         lease.open += 1
+        lease.largest = max(lease.largest, amount)
         self.admitted += 1
-        if not lease.renewing and (now >= lease.renew_at or lease.free * 4 < lease.reservation.amount_micro_usd):
+        # Low: a quarter of its headroom left (a standby: less than one more call as large).
+        low = lease.free < lease.largest if lease.standby else lease.free * 4 < lease.reservation.amount_micro_usd
+        if not lease.renewing and (now >= lease.renew_at or low):
             lease.renewing = True  # its successor, before any call has to wait for it
-            self._start_opening(budgets, lease.reservation.amount_micro_usd, renewal=True)
+            self._start_opening(budgets, lease.reservation.amount_micro_usd, renewal=True, largest=lease.largest)
         return Reservation(call_id, amount, budgets, lease)
 
     async def acquire(
@@ -157,18 +180,20 @@ class BudgetLeases:
             held = self.take(budgets, amount, call_id)
             if held is not None:
                 return held
-            opening = self._opening.get(budgets) or self._start_opening(budgets, size, renewal=False)
+            opening = self._opening.get(budgets) or self._start_opening(budgets, size, renewal=False, largest=amount)
             if await asyncio.shield(opening) is None:
                 return None
         return None
 
-    def _start_opening(self, budgets: tuple[Budget, ...], size: int, *, renewal: bool) -> asyncio.Task[Lease | None]:
+    def _start_opening(
+        self, budgets: tuple[Budget, ...], size: int, *, renewal: bool, largest: int,
+    ) -> asyncio.Task[Lease | None]:
         opening = self._opening.get(budgets)
         if opening is None:
             # Its own task and context: a caller that stops waiting does not cancel the
             # lease the calls behind it wait for (it is never lost: it admits them).
             opening = asyncio.get_running_loop().create_task(
-                self._open(budgets, size, renewal), name="billing:lease", context=contextvars.Context())
+                self._open(budgets, size, renewal, largest), name="billing:lease", context=contextvars.Context())
             opening.add_done_callback(_retrieve)
             self._opening[budgets] = opening
         return opening
@@ -184,7 +209,7 @@ class BudgetLeases:
         if not lease.retired:
             lease.free += held.amount_micro_usd - cost_micro_usd
 
-    async def _open(self, budgets: tuple[Budget, ...], size: int, renewal: bool) -> Lease | None:
+    async def _open(self, budgets: tuple[Budget, ...], size: int, renewal: bool, largest: int) -> Lease | None:
         try:
             reservation = Reservation(uuid.uuid4(), size, budgets)
             refused = await self.store.reserve(reservation, self._ttl + self._seconds)
@@ -198,7 +223,10 @@ class BudgetLeases:
                 self._refused_until[budgets] = now + self._seconds
             return None
         lease = Lease(reservation, now + self._seconds, now + self._ttl + self._seconds,
-                      renew_at=now + self._seconds * 0.75)
+                      renew_at=now + self._seconds * 0.75, largest=largest)
+        active = self._active.get(budgets)
+        if active is not None and active.standby:
+            self._retire(active)  # a standby's successor admits at once; what it held goes back
         if budgets in self._active:
             # Granted ahead: it admits once the current lease is spent or past its time.
             if (waiting := self._next.get(budgets)) is not None:
@@ -245,7 +273,13 @@ class BudgetLeases:
         and have spent; release those whose calls have all ended (and been ledgered)."""
         now = self._clock()
         for lease in [*self._active.values(), *self._next.values()]:
-            if now >= lease.admits_until:
+            if now < lease.admits_until:
+                continue
+            budgets = lease.reservation.budgets
+            if (self._standby_seconds > 0 and not lease.standby and self._active.get(budgets) is lease
+                    and budgets not in self._next and budgets not in self._opening):
+                await self._stand_by(lease, now)
+            else:
                 self._retire(lease)
         # Each retired lease stays listed (and counted in ``held``) until the store has let
         # it go: taken off the list while its release was in flight, it was held by
@@ -257,9 +291,24 @@ class BudgetLeases:
                 if await self.store.release_lease(lease.reservation, lease.spent, lease.costly_calls):
                     self._forget(lease)
             elif not lease.shrunk:
-                held = lease.reservation.amount_micro_usd - lease.free
+                held = lease.amount - lease.free
                 await self.store.resize(lease.reservation, max(held, 0))
                 lease.shrunk = True
+
+    async def _stand_by(self, lease: Lease, now: float) -> None:
+        """A lease past its time, with no successor: cut down to what its calls hold and
+        have spent plus two calls' room, it admits on for ``standby_seconds``; a call that
+        leaves it less than one more call's room asks for a full successor."""
+        lease.standby = True
+        lease.admits_until = lease.renew_at = now + self._standby_seconds
+        lease.renewing = False
+        cut = lease.free - 2 * lease.largest
+        if cut > 0:
+            # Taken from what calls may draw before the store is told, never after: the
+            # store holds at least what the lease may still admit, whatever the round trip does.
+            lease.free -= cut
+            lease.amount -= cut
+            await self.store.resize(lease.reservation, lease.amount)
 
     def _forget(self, lease: Lease) -> None:
         """A retired lease the store holds no more (a sweep running beside another, as a

@@ -78,6 +78,9 @@ class Settings:
     #: how long one lease admits calls (docs/billing.md, "Leases").
     budget_lease_fraction: float = 0.02
     budget_lease_seconds: float = 1.0
+    #: How long a lease past its time, cut down to two calls' room, keeps admitting a
+    #: seldom-called budget's calls (0: retired at once).
+    budget_lease_standby_seconds: float = 30.0
 
     @property
     def journal_dir(self) -> Path:
@@ -245,4 +248,5 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         budget_reservation_ttl=_number(env, "BUDGET_RESERVATION_TTL_SECONDS", 600.0, integer=False, minimum=1),
         budget_lease_fraction=_fraction(env, "BUDGET_LEASE_FRACTION", 0.02),
         budget_lease_seconds=_number(env, "BUDGET_LEASE_SECONDS", 1.0, integer=False, minimum=0.01),
+        budget_lease_standby_seconds=_number(env, "BUDGET_LEASE_STANDBY_SECONDS", 30.0, integer=False, minimum=0.0),
     )

@@ -133,6 +133,7 @@ async def gateway_state(
             fsync_interval=settings.billing_fsync_interval,
             reservations=reservations, reservation_ttl=settings.budget_reservation_ttl,
             lease_fraction=settings.budget_lease_fraction, lease_seconds=settings.budget_lease_seconds,
+            lease_standby_seconds=settings.budget_lease_standby_seconds,
         )
         billing = BillingHandle(billing_actor, await supervisor.start(billing_actor))
         # Always running (cheap when idle): a reload may opt calls in, and expired rows
