@@ -23,7 +23,7 @@ import orjson
 from asyncpg.pgproto.pgproto import UUID as PgUUID
 
 from gateway.billing.journal import Journal
-from gateway.billing.ledger import _INT16_MAX, _INT32_MAX, NIL_UUID, UsageEvent, ship_lines
+from gateway.billing.ledger import _INT16_MAX, _INT32_MAX, LEDGER_COLUMNS, NIL_UUID, UsageEvent, ship_lines
 from gateway.billing.reservations import micro_usd
 from gateway.core.usage import CallRecord, Usage
 
@@ -129,6 +129,7 @@ def test_events_and_lines_are_the_same_as_before() -> None:
         assert [type(getattr(event, f.name)) for f in dataclasses.fields(event)] == [
             type(getattr(expected, f.name)) for f in dataclasses.fields(expected)]
         assert event.to_line() == reference_line(expected)
+    assert list(orjson.loads(event.to_line())) == list(LEDGER_COLUMNS)  # every column, in order
 
 
 def test_a_line_reads_back_as_the_journal_and_the_ledger_read_it(tmp_path: Path) -> None:

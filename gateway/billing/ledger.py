@@ -142,39 +142,45 @@ class UsageEvent:
 
     def to_line(self) -> bytes:
         """One journal line: a JSON object keyed by column name, newline-terminated."""
-        return orjson.dumps(
-            {
-                # str(): asyncpg's UUIDs are not the stdlib type orjson knows.
-                "call_id": str(self.call_id),
-                "request_id": self.request_id,
-                "response_id": self.response_id,
-                "api_key_id": str(self.api_key_id),
-                "subject_id": str(self.subject_id),
-                "requested_model": self.requested_model,
-                "served_model": self.served_model,
-                "provider": self.provider,
-                "deployment": self.deployment,
-                "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "usage_estimated": self.usage_estimated,
-                "cost_usd": self.cost_usd,
-                "cost_diem": self.cost_diem,
-                "cost_source": self.cost_source,
-                "latency_seconds": self.latency_seconds,
-                "ttft_seconds": self.ttft_seconds,
-                "status": self.status,
-                "outcome": self.outcome,
-                "streamed": self.streamed,
-                "retries": self.retries,
-                "failovers": self.failovers,
-                "error_type": self.error_type,
-                "finish_reason": self.finish_reason,
-                "created_at": datetime.fromtimestamp(self.created_at, timezone.utc),
-                "protocol": self.protocol,
-                "guardrails": self.guardrails,
-            },
-            option=orjson.OPT_APPEND_NEWLINE,
-        )
+        # Stores into a copy of a dict that has every column already (in LEDGER_COLUMNS'
+        # order, the line's) cost about half what a 27-key literal does, which grows its
+        # table as it goes.
+        row = _ROW.copy()
+        # orjson writes a stdlib UUID itself (its str() is ~0.6 µs, the same text);
+        # asyncpg's UUIDs are another type it refuses, and their str() is cheap.
+        call_id, api_key_id, subject_id = self.call_id, self.api_key_id, self.subject_id
+        row["call_id"] = call_id if type(call_id) is uuid.UUID else str(call_id)
+        row["request_id"] = self.request_id
+        row["response_id"] = self.response_id
+        row["api_key_id"] = api_key_id if type(api_key_id) is uuid.UUID else str(api_key_id)
+        row["subject_id"] = subject_id if type(subject_id) is uuid.UUID else str(subject_id)
+        row["requested_model"] = self.requested_model
+        row["served_model"] = self.served_model
+        row["provider"] = self.provider
+        row["deployment"] = self.deployment
+        row["prompt_tokens"] = self.prompt_tokens
+        row["completion_tokens"] = self.completion_tokens
+        row["usage_estimated"] = self.usage_estimated
+        row["cost_usd"] = self.cost_usd
+        row["cost_diem"] = self.cost_diem
+        row["cost_source"] = self.cost_source
+        row["latency_seconds"] = self.latency_seconds
+        row["ttft_seconds"] = self.ttft_seconds
+        row["status"] = self.status
+        row["outcome"] = self.outcome
+        row["streamed"] = self.streamed
+        row["retries"] = self.retries
+        row["failovers"] = self.failovers
+        row["error_type"] = self.error_type
+        row["finish_reason"] = self.finish_reason
+        row["created_at"] = datetime.fromtimestamp(self.created_at, timezone.utc)
+        row["protocol"] = self.protocol
+        row["guardrails"] = self.guardrails
+        return orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+
+
+#: Every column, in the line's order: what :meth:`UsageEvent.to_line` fills a copy of.
+_ROW: dict[str, object] = dict.fromkeys(LEDGER_COLUMNS)
 
 
 async def ship_lines(conn: asyncpg.Connection | asyncpg.Pool, lines: Sequence[bytes]) -> int:
