@@ -27,6 +27,8 @@ _V4_CLEAR = ~((0xC000 << 48) | (0xF000 << 64)) & (2**128 - 1)
 _V4_SET = (0x8000 << 48) | (4 << 76)
 _new_object = object.__new__
 _set_slot = object.__setattr__
+#: Looked up once: an enum member read through its class costs ~0.15 µs.
+_SAFETY_UNKNOWN = uuid.SafeUUID.unknown
 
 
 def new_call_id() -> uuid.UUID:
@@ -43,7 +45,7 @@ def new_call_id() -> uuid.UUID:
     """
     call_id = _new_object(uuid.UUID)
     _set_slot(call_id, "int", (random.getrandbits(128) & _V4_CLEAR) | _V4_SET)
-    _set_slot(call_id, "is_safe", uuid.SafeUUID.unknown)
+    _set_slot(call_id, "is_safe", _SAFETY_UNKNOWN)
     return call_id
 
 
