@@ -86,12 +86,17 @@ class BudgetGate:
         budgets = self._budgets_of(api_key_id, key_budget, subject_id, subject_budget)
         if not budgets:
             return None
-        if not prices or not all(is_finite_price(p) for p in prices):
+        priced: list[Price] = []
+        for price in prices:  # a loop, not all() over a generator and a list comprehension
+            if price is None or not is_finite_price(price):
+                break
+            priced.append(price)
+        if not prices or len(priced) < len(prices):
             raise BudgetExceeded(
                 f"model '{model}' has a deployment with no price, so a call under a budget cannot be "
                 "counted; the operator must set a price for it (models[].deployments[].price)"
             )
-        amount = worst_case_micro_usd(prompt_bound, output_cap, [p for p in prices if p is not None])
+        amount = worst_case_micro_usd(prompt_bound, output_cap, priced)
         lease_size = self.leases.size_for(budgets, amount)
         if lease_size and (held := self.leases.take(budgets, amount, call_id)) is not None:
             return held  # the common case of a busy key: no I/O, no timer

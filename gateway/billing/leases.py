@@ -139,10 +139,15 @@ class BudgetLeases:
         """The lease a call of ``amount`` (micro-USD) may draw from; 0: reserve on its own."""
         if self._fraction <= 0:
             return 0
-        size = int(min(b.limit_micro_usd for b in budgets) * self._fraction)
+        smallest = budgets[0].limit_micro_usd
+        for budget in budgets:  # one or two: a loop, not min() over a generator
+            if budget.limit_micro_usd < smallest:
+                smallest = budget.limit_micro_usd
+        size = int(smallest * self._fraction)
         if size <= 0 or amount * MIN_CALLS_PER_LEASE > size:
             return 0
-        refused_until = self._refused_until.get(budgets)
+        # Looked up only when some budget was refused (the lookup hashes every budget).
+        refused_until = self._refused_until.get(budgets) if self._refused_until else None
         if refused_until is not None:
             if self._clock() < refused_until:
                 return 0

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from decimal import Decimal
 
-from gateway.billing.reservations import micro_usd, price_micro
+from gateway.billing.reservations import exact_micro_cost, micro_usd, price_micro
 from gateway.core.config import Price
 from gateway.core.usage import CallRecord, Usage
 
@@ -62,18 +62,29 @@ def settle_cost(record: CallRecord) -> None:
     rounded up to the micro-dollar, what budgets count (never less than the ledger)."""
     usage = record.usage
     provider_cost = _provider_cost(usage)
-    cost = Decimal(0)
+    cost_usd, cost_micro = 0.0, 0
     if record.cache == "hit":
         # Answered from the response cache: the provider was not called.
-        record.cost_source = "cache"
+        source = "cache"
     elif provider_cost is not None:
-        cost, record.cost_source = provider_cost, "provider"
+        cost_usd, cost_micro, source = float(provider_cost), micro_usd(provider_cost), "provider"
     elif usage.total_tokens == 0:
         # A pass-through answer without a usage object we know: recorded, not priced.
-        record.cost_usd, record.cost_source = 0.0, "passthrough" if record.passthrough else "none"
+        source = "passthrough" if record.passthrough else "none"
     elif record.price is not None:
-        cost, record.cost_source = exact_cost_from_price(usage, record.price), "price"
+        (cost_usd, cost_micro), source = _priced(usage, record.price), "price"
     else:
-        record.cost_source = "unpriced"
-    record.cost_usd = float(cost)
-    record.cost_micro_usd = micro_usd(cost)
+        source = "unpriced"
+    record.cost_usd, record.cost_micro_usd, record.cost_source = cost_usd, cost_micro, source
+
+
+def _priced(usage: Usage, price: Price) -> tuple[float, int]:
+    """``cost_usd`` and ``cost_micro_usd`` at a price table: from integers where they are
+    exact (the float the exact fraction correctly rounded, as ``float()`` of the Decimal is;
+    the micro-USD its ceiling), else from :func:`exact_cost_from_price`'s Decimal."""
+    exact = exact_micro_cost(usage.prompt_tokens, usage.completion_tokens, price)
+    if exact is None:
+        cost = exact_cost_from_price(usage, price)
+        return float(cost), micro_usd(cost)
+    numerator, divisor = exact
+    return numerator / (divisor * 1_000_000), -(-numerator // divisor)

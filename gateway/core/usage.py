@@ -22,6 +22,15 @@ from gateway.core.config import Price
 __all__ = ["CallRecord", "StreamTap", "Usage", "new_call_id", "usage_from_answer"]
 
 
+#: The bits ``uuid.UUID(version=4)`` clears and sets: the variant (10, RFC 4122) and the version (4).
+_V4_CLEAR = ~((0xC000 << 48) | (0xF000 << 64)) & (2**128 - 1)
+_V4_SET = (0x8000 << 48) | (4 << 76)
+_new_object = object.__new__
+_set_slot = object.__setattr__
+#: Looked up once: an enum member read through its class costs ~0.15 µs.
+_SAFETY_UNKNOWN = uuid.SafeUUID.unknown
+
+
 def new_call_id() -> uuid.UUID:
     """A version-4 UUID from ``random``: no system call, unlike ``uuid4()`` (``os.urandom``).
 
@@ -29,8 +38,15 @@ def new_call_id() -> uuid.UUID:
     process's Mersenne Twister, which CPython seeds from ``os.urandom`` at start and
     reseeds in every forked child (``serve --workers`` starts fresh processes anyway),
     so no two processes share a sequence. Nothing in the gateway seeds ``random``.
+
+    Built as ``uuid.UUID(int=bits, version=4)`` builds it, minus its argument checks
+    (0.8 µs, every call): the same two slots set the same way (Python 3.14's
+    ``UUID._from_int`` does exactly this), the same bits masked in.
     """
-    return uuid.UUID(int=random.getrandbits(128), version=4)
+    call_id = _new_object(uuid.UUID)
+    _set_slot(call_id, "int", (random.getrandbits(128) & _V4_CLEAR) | _V4_SET)
+    _set_slot(call_id, "is_safe", _SAFETY_UNKNOWN)
+    return call_id
 
 
 @dataclass(slots=True)
