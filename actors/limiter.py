@@ -530,7 +530,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
             return _failures_spent([windows.stats_now(item, "ipfail", ip, now=now) for item in self._ip_items], now)
         items = self._ip_all_items
         oks = [windows.hit_now(item, "ip", ip, now=now) for item in items]
-        if all(oks):
+        if False not in oks:
             return _ALLOWED
         rejected = [windows.stats_now(item, "ip", ip, now=now) for item, ok in zip(items, oks, strict=True) if not ok]
         for item, ok in zip(items, oks, strict=True):
@@ -554,7 +554,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
 
     def _reserve_local_slot(self, msg: Acquire) -> bool | None:
         """Concurrency kept in memory: take a slot now (in the loop); None if not ours to keep."""
-        if msg.max_concurrent is None or self._redis_slots() is not None:
+        if msg.max_concurrent is None or (self._redis is not None and self._redis_slots() is not None):
             return None
         count = self._inflight.get(msg.api_key_id, 0)
         if count >= msg.max_concurrent:

@@ -698,10 +698,13 @@ class Windows:
         local = self._local
         assert local is not None, "memory windows only"
         key = item.key_for(*ids)
+        expiry = item.get_expiry()
         if self._fixed:
-            local.incr_now(key, item.get_expiry(), amount, now)
+            local.incr_now(key, expiry, amount, now)
         else:
-            local.acquire_sliding_now(key, UNBOUNDED, item.get_expiry(), amount, now)
+            # acquire_sliding_now with no bound always takes: it only adds to the current
+            # counter (a new one lives two windows), which is all this does.
+            local.incr_now(f"{key}/{int(now / expiry)}", 2 * expiry, amount, now)
 
     @staticmethod
     def _fixed_hit(
