@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import re
 from typing import Any
 
 import orjson
 import pytest
 
 from gateway.http.admission import ADMISSION, AdmissionGate
+from gateway.http.middleware import new_request_id
 from gateway.observability.logs import ACCESS_LOGGER, JsonFormatter
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, config_for, until
 
@@ -108,3 +111,24 @@ async def test_the_access_line_of_a_chat_call_has_every_field_in_order(
     assert resp.status == 200 and resp.headers["x-request-id"] == "order-1"
     [line] = [line for line in access_lines(caplog) if line["request_id"] == "order-1"]
     assert list(line) == CHAT_ACCESS_LINE
+
+
+def test_a_new_request_id_is_32_hex_digits_of_fresh_random_bits() -> None:
+    ids = {new_request_id() for _ in range(1000)}
+    assert len(ids) == 1000 and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+    state = random.getstate()
+    try:
+        made = new_request_id()
+        random.setstate(state)
+        assert made == f"{random.getrandbits(128):032x}"  # the same text as uuid4().hex's shape, leading zeros kept
+    finally:
+        random.setstate(state)
+
+
+async def test_the_request_id_is_echoed_when_plain_and_replaced_when_not(gateway: Gateway) -> None:
+    plain = await gateway.data.get("/healthz", headers={"x-request-id": "client.id:1-2_3"})
+    assert plain.headers["x-request-id"] == "client.id:1-2_3"
+    for refused in ("has space", "x" * 129, "semi;colon"):
+        answer = await gateway.data.get("/healthz", headers={"x-request-id": refused})
+        assert re.fullmatch(r"[0-9a-f]{32}", answer.headers["x-request-id"]), refused
+    assert re.fullmatch(r"[0-9a-f]{32}", (await gateway.data.get("/healthz")).headers["x-request-id"])
