@@ -6,9 +6,12 @@ import contextlib
 import io
 import logging
 import logging.handlers
+import re
 import signal
 import sys
+import uuid
 from collections.abc import Iterator
+from decimal import Decimal
 from typing import Any
 
 import orjson
@@ -135,6 +138,18 @@ def test_redactor_masks_keys_tokens_and_known_secrets() -> None:
     assert out.endswith(", abc")
 
 
+def test_known_secrets_holding_a_marker_are_masked_whole() -> None:
+    # Secrets with "sk-" or "llmg_" in them are searched only in texts holding that marker:
+    # found whole (not as the pattern's "sk-[REDACTED]"), and the patterns still apply after.
+    redact = Redactor(["sk-live-provider-key-0001", "llmg_operator_token_0000000000", "plain-admin-secret"])
+    text = ("a sk-live-provider-key-0001 b llmg_operator_token_0000000000 c plain-admin-secret "
+            "d Bearer abcdefghijkl e sk-otherkey12345678")
+    assert redact(text) == "a [REDACTED] b [REDACTED] c [REDACTED] d Bearer [REDACTED] e sk-[REDACTED]"
+    assert redact("only sk-live-provider-key-0001 here") == "only [REDACTED] here"
+    assert redact('json "sk-live-provider-key-0001"') == 'json "[REDACTED]"'
+    assert redact("nothing secret, no marker") == "nothing secret, no marker"
+
+
 def test_formatters_redact_messages_fields_and_tracebacks() -> None:
     redactor = Redactor(["hunter2-admin-token"])
     try:
@@ -192,6 +207,38 @@ async def test_log_fields_writes_the_line_logger_info_would_and_stays_visible_to
     assert fast == standard
     assert fast["request_id"] == "req-fast" and fast["note"] == "sk-[REDACTED]" and fast["level"] == "info"
     assert third["status"] == 201 and [r.fields for r in seen] == [{"status": 201}]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("request_id", [None, "req-ctx"])
+async def test_log_fields_lines_are_the_standard_lines_byte_for_byte(request_id: str | None) -> None:
+    key = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    cases: list[dict[str, Any]] = [
+        {},
+        {"request_id": "req-field", "status": 200, "key_id": key},  # the access line's shape
+        {"api_key_id": str(key), "request_id": "req-field", "cost_usd": Decimal("0.25")},  # the billing line's
+        {"status": 200, "note": "sk-abcdefghijklmnop", "admin": "the-admin-token-value", "quote": 'a"b\\c\n'},
+        {"msg": "a field named like the head", "level": "warning", "n": 1},
+    ]
+    logger = logging.getLogger("gateway.test.bytes")
+    with json_logs() as (out, setup):
+        setup.add_secrets(["the-admin-token-value"])
+        token = bind_request_id(request_id) if request_id is not None else None
+        try:
+            for fields in cases:
+                log_fields(logger, "line", dict(fields))  # the hand-off alone: made on the loop
+                logger.info("line", extra={"fields": dict(fields)})  # the writer's formatter
+        finally:
+            if token is not None:
+                reset_request_id(token)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 * len(cases)
+    untimed = [re.sub(r'^\{"ts":"[^"]*"', "", line) for line in lines]
+    for fast, standard in zip(untimed[::2], untimed[1::2], strict=True):
+        assert fast == standard
+    assert "the-admin-token-value" not in out.getvalue() and "abcdefghijklmnop" not in out.getvalue()
+    first = orjson.loads(lines[2])
+    assert list(first)[:5] == ["ts", "level", "logger", "msg", "request_id"]
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["ts"])
 
 
 async def test_log_fields_in_the_text_format_writes_the_standard_line() -> None:

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 
 from actors.auth import AuthActor, AuthHandle
 from actors.billing import BillingActor, BillingHandle
@@ -43,15 +42,15 @@ from gateway.edge import (
     messages,
     openapi,
     passthrough,
-    ratelimit,
     responses,
     telemetry,
 )
+from gateway.edge.front import front_middleware, prepare_hook
 from gateway.edge.guardrails import build_guardrails
 from gateway.edge.reload import ConfigReloader, ProviderPools, default_source
-from gateway.http.admission import ADMISSION, AdmissionGate, admission_middleware, default_max_in_flight
+from gateway.http.admission import ADMISSION, AdmissionGate, default_max_in_flight
 from gateway.http.cors import DATA_PLANE_EXPOSED, MANAGEMENT_REQUEST_HEADERS, CorsPolicy
-from gateway.http.middleware import error_middleware, security_headers
+from gateway.http.middleware import SecurityHeaders
 from gateway.http.state import STATE, GatewayState
 from gateway.observability.tracing import Tracing
 from gateway.relay.headroom import DeploymentLimits
@@ -214,11 +213,6 @@ async def gateway_state(
         await pool.close()
 
 
-def _generation_pin(state: GatewayState) -> list[Middleware]:
-    """The middleware pinning each request to its config generation (see reload.py)."""
-    return [] if state.provider_pools is None else [state.provider_pools.middleware()]
-
-
 def build_data_app(state: GatewayState) -> web.Application:
     """The data plane: health, readiness, chat, models, embeddings."""
     # Any request header may be asked for (OpenAI SDKs send many); no credentials ride on CORS.
@@ -231,18 +225,13 @@ def build_data_app(state: GatewayState) -> web.Application:
     gate = AdmissionGate(state.settings.max_in_flight or default_max_in_flight())
     # The body limit is enforced by our reader; aiohttp's own cap sits just above it.
     app = web.Application(
-        middlewares=[
-            telemetry.observe, cors.middleware, admission_middleware(gate), error_middleware,
-            ratelimit.ratelimit_middleware, *_generation_pin(state),
-        ],
+        middlewares=[front_middleware(state, cors, gate=gate, guard_ips=True, pools=state.provider_pools)],
         client_max_size=state.settings.body_limit + 1024,
     )
     app[STATE] = state
     app[ADMISSION] = gate
     state.metrics.watch(gate.metric_families)
-    app.on_response_prepare.append(security_headers({}))
-    app.on_response_prepare.append(cors.on_prepare)
-    app.on_response_prepare.append(ratelimit.add_ratelimit_headers)
+    app.on_response_prepare.append(prepare_hook(SecurityHeaders({}), cors, ratelimit_headers=True))
     app.router.add_get("/openapi.json", openapi.document_handler(openapi.data_plane_document()))
     app.router.add_get("/healthz", dataplane.healthz)
     app.router.add_get("/readyz", dataplane.readyz)
@@ -275,14 +264,13 @@ def build_management_app(
     )
     admin_auth = admin.AdminAuth(settings.admin_token, settings.admin_token_name)
     app = web.Application(
-        middlewares=[telemetry.observe, cors.middleware, error_middleware, admin.admin_guard(
+        middlewares=[front_middleware(state, cors), admin.admin_guard(
             admin_auth, sign_on=state.config.admin.oidc is not None,
         )],
         client_max_size=admin.admin_body_limit(settings.body_limit) + 1024,
     )
     app[STATE] = state
-    app.on_response_prepare.append(security_headers(MANAGEMENT_HEADERS))
-    app.on_response_prepare.append(cors.on_prepare)
+    app.on_response_prepare.append(prepare_hook(SecurityHeaders(MANAGEMENT_HEADERS), cors))
     app.router.add_get("/healthz", dataplane.healthz)
     app.router.add_get(
         "/metrics", telemetry.metrics_guard(settings.metrics_token, metrics_handler or telemetry.metrics_endpoint)

@@ -1,18 +1,19 @@
 """Rate limits at the edge: the per-IP guard, per-key admission, and the headers.
 
-* :func:`ratelimit_middleware` (data plane) guards each client address on ``/v1/``:
-  every request counts against a generous cap (``per_ip_all``); unauthenticated and
-  failed attempts count against ``per_ip``, and once an address has spent that, its
-  requests that would cost a key lookup are refused before authentication (a flood of
-  bad or missing keys costs no database work), while callers with cached valid keys go
-  on. After the handler ends, on every path (answer, error, cancellation, client gone),
-  it releases the request's :class:`Permit` exactly once.
+* :func:`guard_ip` (a step of the data plane's middleware, :mod:`gateway.edge.front`)
+  guards each client address on ``/v1/``: every request counts against a generous cap
+  (``per_ip_all``); unauthenticated and failed attempts (:func:`count_failure`) count
+  against ``per_ip``, and once an address has spent that, its requests that would cost
+  a key lookup are refused before authentication (a flood of bad or missing keys costs
+  no database work), while callers with cached valid keys go on. After the handler
+  ends, on every path (answer, error, cancellation, client gone), the middleware
+  releases the request's :class:`Permit` exactly once (:func:`release_permit`).
 * :func:`client_ip`: the TCP peer, or the client a trusted proxy names
   (``rate_limits.trusted_proxies``) in ``X-Forwarded-For`` / ``Forwarded``; IPv6
   clients are keyed by their /64 (one host usually holds a whole /64).
 * :func:`admit` is what a handler calls right after authentication: the key's limits,
   a 429 when one is hit, and the ``x-ratelimit-*`` headers for whatever answer follows.
-* :func:`add_ratelimit_headers` (``on_response_prepare``) puts those headers on every
+* :func:`put_ratelimit_headers` (``on_response_prepare``) puts those headers on every
   answer of an authenticated request: errors after auth and streams too, since a
   stream's headers are sent when it is prepared.
 """
@@ -24,28 +25,27 @@ import ipaddress
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime, timezone
 
 from aiohttp import web
 
-from actors.auth import Unauthenticated, VerifiedKey
+from actors.auth import VerifiedKey
 from actors.limiter import Permit
 from gateway.core.errors import RateLimited
 from gateway.http.bodies import bearer_token
 from gateway.http.errors import error_shape_for
-from gateway.http.state import STATE
+from gateway.http.state import STATE, GatewayState
 
-__all__ = ["PERMIT", "add_ratelimit_headers", "admit", "client_ip", "ratelimit_middleware"]
+__all__ = [
+    "PERMIT", "admit", "client_ip", "count_failure", "guard_ip", "put_ratelimit_headers", "release_permit",
+]
 
 PERMIT = web.RequestKey("ratelimit_permit", Permit)
 _HEADERS = web.RequestKey("ratelimit_headers", dict[str, str])
 
 #: Routes the flood guard covers: the authenticated API (health checks stay free).
 GUARDED_PREFIX = "/v1/"
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 _Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -137,26 +137,32 @@ async def admit(request: web.Request, key: VerifiedKey) -> Permit:
     return permit
 
 
-@web.middleware
-async def ratelimit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    ip: str | None = None
-    if request.path.startswith(GUARDED_PREFIX):
-        state = request.app[STATE]
-        limiter = state.limiter
-        ip = client_ip(request, state.config.rate_limits.trusted_proxies)
-        await limiter.check_ip(ip)  # the generous cap on every request
-        if not state.auth.answers_from_cache(bearer_token(request)):
-            await limiter.check_ip(ip, "peek")  # would cost a lookup: not past its failures
-    try:
-        return await handler(request)
-    except Unauthenticated:
-        if ip is not None:
-            await request.app[STATE].limiter.check_ip(ip, "failed")
-        raise
-    finally:
-        permit = request.get(PERMIT)
-        if permit is not None:
-            permit.release()
+async def guard_ip(request: web.Request, state: GatewayState) -> str | None:
+    """The per-IP guard, before the handler: the address it counts, None off ``/v1/``.
+
+    Raises RateLimited when the address is past its cap, or past its failures and the
+    request would cost a key lookup.
+    """
+    if not request.path.startswith(GUARDED_PREFIX):
+        return None
+    limiter = state.limiter
+    ip = client_ip(request, state.config.rate_limits.trusted_proxies)
+    await limiter.check_ip(ip)  # the generous cap on every request
+    if not state.auth.answers_from_cache(bearer_token(request)):
+        await limiter.check_ip(ip, "peek")  # would cost a lookup: not past its failures
+    return ip
+
+
+async def count_failure(state: GatewayState, ip: str) -> None:
+    """The request guarded under ``ip`` was refused its key: one failed attempt."""
+    await state.limiter.check_ip(ip, "failed")
+
+
+def release_permit(request: web.Request) -> None:
+    """After the handler, on every path: free what :func:`admit` took, if it did."""
+    permit = request.get(PERMIT)
+    if permit is not None:
+        permit.release()
 
 
 _DURATION = re.compile(r"(?:(\d+)h)?(?:(\d+)m(?!s))?(?:([\d.]+)s)?(?:(\d+)ms)?")
@@ -187,7 +193,9 @@ def anthropic_ratelimit_headers(headers: Mapping[str, str], now: float) -> dict[
     return out
 
 
-async def add_ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
+def put_ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """The ``x-ratelimit-*`` headers :func:`admit` computed, on whatever answer follows
+    (and their ``anthropic-ratelimit-*`` spelling on the Messages routes)."""
     headers = request.get(_HEADERS)
     if headers:
         response.headers.update(headers)

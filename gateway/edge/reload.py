@@ -31,11 +31,9 @@ import dataclasses
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import aiohttp
-from aiohttp import web
-from aiohttp.typedefs import Middleware
 
 from gateway.core.config import ConfigError, GatewayConfig, ProviderConfig, Settings, parse_config
 from gateway.core.config_source import ConfigSource, ReloadOutcome, config_hash
@@ -64,9 +62,10 @@ def default_source(settings: Settings) -> ConfigSource:
 class ProviderPools:
     """The providers of every live config generation, each on its own connection pool.
 
-    A request pins the generation active when it arrived (:meth:`middleware`); the
-    providers a reload replaced are closed once no request pinned to a generation before
-    that reload is left.
+    A request pins the generation active when it arrived (:meth:`enter`, and
+    :meth:`leave` once its handler returns, a stream's after its last byte: the data
+    plane's middleware, :mod:`gateway.edge.front`); the providers a reload replaced are
+    closed once no request pinned to a generation before that reload is left.
     """
 
     def __init__(self, settings: Settings) -> None:
@@ -182,23 +181,6 @@ class ProviderPools:
         sessions, self._sessions = list(self._sessions.values()), {}
         for session in sessions:
             await session.close()
-
-    def middleware(self) -> Middleware:
-        """A data-plane middleware pinning each request (stream included: the handler
-        returns when it ends) to the generation active on arrival, so its providers stay
-        open until it is done."""
-
-        @web.middleware
-        async def pin_generation(
-            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-        ) -> web.StreamResponse:
-            generation = self.enter()
-            try:
-                return await handler(request)
-            finally:
-                self.leave(generation)
-
-        return pin_generation
 
 
 class ConfigReloader:

@@ -1,9 +1,10 @@
 """Where metrics, traces and logs meet the request path: the edge middleware, the
 ``/metrics`` route, the chat-call hooks, and the wiring done at start-up.
 
-* :func:`observe` (outermost middleware of both planes) times every request, counts it
-  by route template and status, binds its request id for log lines and writes the one
-  JSON access line per request (logger ``gateway.access``).
+* :func:`arrived` / :func:`answered` (the first step of both planes' middleware,
+  :mod:`gateway.edge.front`) time every request, count it by route template and
+  status, bind its request id for log lines and write the one JSON access line per
+  request (logger ``gateway.access``).
 * :func:`begin_call` / :func:`end_call` bracket a chat call in :mod:`gateway.edge.chat`:
   the span, the trace headers for the provider, the record the access line reads.
 * :func:`key_known` is called by every key-authenticated handler once the key is
@@ -15,7 +16,7 @@
 
 from __future__ import annotations
 
-import asyncio
+import contextvars
 import hashlib
 import hmac
 import logging
@@ -31,11 +32,14 @@ from gateway.core.usage import CallRecord
 from gateway.http.middleware import request_id_of
 from gateway.http.state import STATE, GatewayState
 from gateway.observability import logs
-from gateway.observability.metrics import CONTENT_TYPE, cost_of
+from gateway.observability.metrics import CONTENT_TYPE, GatewayMetrics, InFlight, cost_of
 from gateway.observability.tracing import ChatSpan, note_failover, note_retry, note_upstream_error
 
 __all__ = [
     "CALL_RECORD",
+    "Arrival",
+    "answered",
+    "arrived",
     "begin_call",
     "end_call",
     "failed_over",
@@ -43,7 +47,6 @@ __all__ = [
     "key_known",
     "metrics_endpoint",
     "metrics_guard",
-    "observe",
     "retried",
     "route_label",
     "upstream_auth_failed",
@@ -72,69 +75,80 @@ def route_label(request: web.Request) -> str:
     return resource.canonical if resource is not None else UNMATCHED
 
 
-@web.middleware
-async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Time, count and log every request; outermost, so it sees the final status."""
+#: What :func:`arrived` noted of a request: its arrival time, route label, the token
+#: binding its request id, its route's in-flight gauge, the metrics it counts in.
+Arrival = tuple[float, str, contextvars.Token[str | None], InFlight, GatewayMetrics]
+
+
+def arrived(request: web.Request) -> Arrival:
+    """A request arrived (the front's first step): timed, counted in flight, its request
+    id bound for log lines. :func:`answered` must follow, on every path."""
     received = time.monotonic()
     request[RECEIVED_AT] = received
-    state = request.app[STATE]
-    metrics = state.metrics
     route = route_label(request)
     token = logs.bind_request_id(request_id_of(request))
+    metrics = request.app[STATE].metrics
     in_flight = metrics.in_flight(route)
     in_flight.inc()
-    status = 500
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    except asyncio.CancelledError:
-        status = CLIENT_CLOSED
-        raise
-    finally:
-        elapsed = time.monotonic() - received
-        in_flight.dec()
-        metrics.request_done(route, status, elapsed)
-        if access_log.isEnabledFor(logging.INFO):
-            _access_line(request, route, status, elapsed)
-        logs.reset_request_id(token)
+    return received, route, token, in_flight, metrics
+
+
+def answered(request: web.Request, arrival: Arrival, status: int) -> None:
+    """The request of ``arrival`` ended with ``status`` (its answer's, or
+    :data:`CLIENT_CLOSED`): counted by route and status, and its access line written."""
+    received, route, token, in_flight, metrics = arrival
+    elapsed = time.monotonic() - received
+    in_flight.dec()
+    metrics.request_done(route, status, elapsed)
+    if access_log.isEnabledFor(logging.INFO):
+        _access_line(request, route, status, elapsed)
+    logs.reset_request_id(token)
 
 
 def _access_line(request: web.Request, route: str, status: int, elapsed: float) -> None:
-    fields: dict[str, Any] = {
-        "request_id": request_id_of(request),
-        "method": request.method,
-        "route": route,
-        "path": request.path,
-        "status": status,
-        "latency_ms": round(elapsed * 1000, 3),
-        "client_ip": request.remote,
-    }
+    # One dict display per line (the fastest way to build it), ids as UUIDs (orjson
+    # writes them as str() would, without str()'s Python-level formatting).
     record = request.get(CALL_RECORD)
+    fields: dict[str, Any]
     if record is None:
+        fields = {
+            "request_id": request_id_of(request),
+            "method": request.method,
+            "route": route,
+            "path": request.path,
+            "status": status,
+            "latency_ms": round(elapsed * 1000, 3),
+            "client_ip": request.remote,
+        }
         key_id = request.get(KEY_ID)
         if key_id is not None:
-            fields["key_id"] = str(key_id)
+            fields["key_id"] = key_id
     else:
-        # Item by item: update(**fields) built a second dict per line and cost twice as much.
         usage = record.usage
-        fields["key_id"] = str(record.api_key_id) if record.api_key_id else None
-        fields["model"] = record.requested_model
-        fields["served_model"] = record.served_model
-        fields["provider"] = record.provider
-        fields["stream"] = record.stream
-        fields["outcome"] = record.outcome
-        fields["input_tokens"] = usage.prompt_tokens
-        fields["output_tokens"] = usage.completion_tokens
-        fields["tokens_estimated"] = usage.estimated
-        fields["cost_usd"] = cost_of(record)
-        fields["ttft_ms"] = round(record.ttft * 1000, 3) if record.ttft is not None else None
-        fields["retries"] = record.retries
-        fields["failovers"] = record.failovers
-        fields["error"] = record.error_type
+        ttft = record.ttft
+        fields = {
+            "request_id": request_id_of(request),
+            "method": request.method,
+            "route": route,
+            "path": request.path,
+            "status": status,
+            "latency_ms": round(elapsed * 1000, 3),
+            "client_ip": request.remote,
+            "key_id": record.api_key_id or None,
+            "model": record.requested_model,
+            "served_model": record.served_model,
+            "provider": record.provider,
+            "stream": record.stream,
+            "outcome": record.outcome,
+            "input_tokens": usage.prompt_tokens,
+            "output_tokens": usage.completion_tokens,
+            "tokens_estimated": usage.estimated,
+            "cost_usd": cost_of(record),
+            "ttft_ms": round(ttft * 1000, 3) if ttft is not None else None,
+            "retries": record.retries,
+            "failovers": record.failovers,
+            "error": record.error_type,
+        }
     logs.log_fields(access_log, "access", fields)
 
 

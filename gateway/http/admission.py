@@ -22,10 +22,9 @@ import asyncio
 import logging
 import resource
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gateway.core.errors import Overloaded, ServiceUnavailable
@@ -36,10 +35,10 @@ __all__ = [
     "SHUTDOWN",
     "AdmissionGate",
     "ShuttingDown",
-    "admission_middleware",
     "default_max_in_flight",
     "is_shutdown",
     "raise_open_file_limit",
+    "shutdown_answer",
 ]
 
 log = logging.getLogger("gateway.admission")
@@ -56,9 +55,6 @@ _FDS_PER_REQUEST = 2
 _FDS_RESERVED = 256
 _DEFAULT_CAP = 4096
 _DEFAULT_FLOOR = 64
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 
 class ShuttingDown(ServiceUnavailable):
     """The gateway is draining for a restart: retry, another replica will answer."""
@@ -193,29 +189,6 @@ class AdmissionGate:
 ADMISSION = web.AppKey("admission", AdmissionGate)
 
 
-def admission_middleware(gate: AdmissionGate) -> Middleware:
-    """The outermost middleware of the data plane: admit, count, and answer the shutdown."""
-
-    @web.middleware
-    async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if not request.path.startswith(GATED_PREFIX):
-            return await handler(request)
-        refusal = gate.admit(error_shape_for(request.path))
-        if refusal is not None:
-            return refusal
-        task = asyncio.current_task()
-        assert task is not None
-        gate.enter(task)
-        try:
-            return await handler(request)
-        except asyncio.CancelledError as exc:
-            # Our own abort before anything was written: answer instead of dropping the
-            # socket. (A relay that already started a stream ends it itself.)
-            if not is_shutdown(exc):
-                raise
-            task.uncancel()
-            return error_response(ShuttingDown(retry_after=1), error_shape_for(request.path))
-        finally:
-            gate.leave(task)
-
-    return admission
+def shutdown_answer(path: str) -> web.Response:
+    """The 503 ``shutting_down`` answer, in the error shape of the route at ``path``."""
+    return error_response(ShuttingDown(retry_after=1), error_shape_for(path))

@@ -8,10 +8,11 @@ in ``__init__``; the per-request paths are guard clauses.
 
 Two hooks, because answers are prepared in two places:
 
-* :attr:`CorsPolicy.middleware` answers preflights (``OPTIONS`` with ``Origin`` and
+* :meth:`CorsPolicy.preflight_of` (a step of each plane's middleware,
+  :mod:`gateway.edge.front`) answers preflights (``OPTIONS`` with ``Origin`` and
   ``Access-Control-Request-Method``) before routing reaches a handler, so no route
   needs an ``OPTIONS`` twin;
-* :meth:`CorsPolicy.on_prepare` (an ``on_response_prepare`` signal) adds
+* :meth:`CorsPolicy.put_headers` (from each plane's ``on_response_prepare`` hook) adds
   ``Access-Control-Allow-Origin`` to every other answer to an allowed origin,
   including streams prepared inside handlers and errors rendered by middleware.
 
@@ -22,16 +23,13 @@ browser never sends them on its own.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 
 from gateway.http.errors import error_body
 
 __all__ = ["CorsPolicy", "DATA_PLANE_EXPOSED", "MANAGEMENT_REQUEST_HEADERS"]
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 #: Response headers a browser page on the data plane may read (request id, limits).
 DATA_PLANE_EXPOSED = (
@@ -99,21 +97,16 @@ class CorsPolicy:
         return "*" if self.allow_any_origin else origin
 
     # -- preflight --------------------------------------------------------------------
-    @property
-    def middleware(self) -> Middleware:
-        """An aiohttp middleware answering preflights; register it outermost."""
-
-        @web.middleware
-        async def cors_preflight(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if request.method != "OPTIONS":
-                return await handler(request)
-            origin = request.headers.get("Origin")
-            requested_method = request.headers.get("Access-Control-Request-Method")
-            if origin is None or requested_method is None:
-                return await handler(request)  # a plain OPTIONS: not CORS, routed as usual
-            return self.preflight(origin, requested_method, request.headers.get("Access-Control-Request-Headers"))
-
-        return cors_preflight
+    def preflight_of(self, request: web.Request) -> web.Response | None:
+        """The answer to ``request`` if it is a preflight, else None (routed as usual)."""
+        if request.method != "OPTIONS":
+            return None
+        headers = request.headers
+        origin = headers.get("Origin")
+        requested_method = headers.get("Access-Control-Request-Method")
+        if origin is None or requested_method is None:
+            return None  # a plain OPTIONS: not CORS, routed as usual
+        return self.preflight(origin, requested_method, headers.get("Access-Control-Request-Headers"))
 
     def preflight(self, origin: str, method: str, requested_headers: str | None) -> web.Response:
         """The answer to one preflight: 204 with the rules, or 400 saying what is refused.
@@ -146,8 +139,8 @@ class CorsPolicy:
         return web.Response(status=204, headers=headers)
 
     # -- every other answer -----------------------------------------------------------
-    async def on_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
-        """``on_response_prepare`` hook: tell an allowed origin it may read this answer."""
+    def put_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Tell an allowed origin it may read this answer (no preflight's: it is complete)."""
         origin = request.headers.get("Origin")
         if origin is None:
             return

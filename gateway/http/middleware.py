@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
 
@@ -25,7 +25,9 @@ from gateway.core.errors import (
 from gateway.http.errors import error_body_in, error_response, error_shape_for
 from gateway.http.state import STATE
 
-__all__ = ["REQUEST_ID", "error_middleware", "new_request_id", "request_id_of", "security_headers"]
+__all__ = [
+    "REQUEST_ID", "SecurityHeaders", "error_answer", "error_middleware", "new_request_id", "request_id_of",
+]
 
 log = logging.getLogger("gateway.http")
 
@@ -38,11 +40,13 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def new_request_id() -> str:
-    """32 hex digits, like ``uuid4().hex`` at a fifth of the price (no system call).
+    """32 hex digits, like ``uuid4().hex`` at a tenth of the price (no system call).
 
     A request id must be unique, not secret; ``random`` is reseeded in forked children.
+    The bits are written by ``bytes.hex`` (the same text as formatting the integer as
+    ``032x``, at less than half the cost).
     """
-    return f"{random.getrandbits(128):032x}"
+    return random.getrandbits(128).to_bytes(16, "big").hex()
 
 
 def request_id_of(request: web.Request) -> str:
@@ -64,27 +68,29 @@ _HTTP_CODES = {
 }
 
 
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    request_id_of(request)
-    try:
-        return await handler(request)
-    except GatewayError as exc:
+def error_answer(request: web.Request, exc: Exception) -> web.StreamResponse | None:
+    """The contract's answer to ``exc``, raised by a handler of ``request``; None for an
+    HTTP exception under 400 (a redirect), which must propagate as it is.
+
+    Called inside the ``except`` clause that caught ``exc`` (a bug is logged with its
+    traceback from there).
+    """
+    if isinstance(exc, GatewayError):
         return error_response(exc, error_shape_for(request.path))
-    except Unauthenticated as exc:
+    if isinstance(exc, Unauthenticated):
         # Counted by reason; the client's 401 is the same whatever the reason.
         state = request.app.get(STATE)
         if state is not None:
             state.metrics.auth_failed(exc.reason)
         return error_response(AuthenticationFailed(), error_shape_for(request.path))
-    except ActorError as exc:
+    if isinstance(exc, ActorError):
         log.warning("shed request %s: %s", request_id_of(request), exc)
         return error_response(Overloaded(retry_after=1), error_shape_for(request.path))
-    except web.HTTPRequestEntityTooLarge:
+    if isinstance(exc, web.HTTPRequestEntityTooLarge):
         return error_response(RequestTooLarge(), error_shape_for(request.path))
-    except web.HTTPException as exc:
+    if isinstance(exc, web.HTTPException):
         if exc.status < 400:
-            raise
+            return None
         type_, code = _HTTP_CODES.get(exc.status, ("invalid_request_error", None))
         return web.Response(
             status=exc.status,
@@ -92,26 +98,42 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             content_type="application/json",
             headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
         )
-    except Exception:
-        # A bug: log it with the request id; the client gets the shape, not the traceback.
-        log.exception("unhandled error in request %s", request_id_of(request))
-        return web.Response(
-            status=500,
-            body=error_body_in(error_shape_for(request.path), 500, "internal error", "server_error", "internal_error"),
-            content_type="application/json",
-        )
+    # A bug: log it with the request id; the client gets the shape, not the traceback.
+    log.exception("unhandled error in request %s", request_id_of(request))
+    return web.Response(
+        status=500,
+        body=error_body_in(error_shape_for(request.path), 500, "internal error", "server_error", "internal_error"),
+        content_type="application/json",
+    )
 
 
-def security_headers(extra: dict[str, str]) -> Callable[[web.Request, web.StreamResponse], Awaitable[None]]:
-    """An ``on_response_prepare`` hook: request id and security headers on every answer.
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Errors in the contract's shape (:func:`error_answer`), for the management plane."""
+    request_id_of(request)
+    try:
+        return await handler(request)
+    except Exception as exc:
+        answer = error_answer(request, exc)
+        if answer is None:
+            raise
+        return answer
 
-    A signal, not a middleware, so streamed answers (prepared inside handlers) get them.
+
+class SecurityHeaders:
+    """The request id and security headers, on every answer of a plane.
+
+    Put by each plane's ``on_response_prepare`` hook (:mod:`gateway.edge.front`), not a
+    middleware, so streamed answers (prepared inside handlers) get them.
     """
-    static = {"X-Content-Type-Options": "nosniff", **extra}
 
-    async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
-        response.headers[REQUEST_ID] = request_id_of(request)
-        for name, value in static.items():
-            response.headers.setdefault(name, value)
+    __slots__ = ("_static",)
 
-    return on_prepare
+    def __init__(self, extra: Mapping[str, str]) -> None:
+        self._static = tuple({"X-Content-Type-Options": "nosniff", **extra}.items())
+
+    def put(self, request: web.Request, response: web.StreamResponse) -> None:
+        headers = response.headers
+        headers[REQUEST_ID] = request_id_of(request)
+        for name, value in self._static:
+            headers.setdefault(name, value)

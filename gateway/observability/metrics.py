@@ -83,6 +83,7 @@ __all__ = [
     "TTFT_BUCKETS",
     "BoundedLabel",
     "GatewayMetrics",
+    "InFlight",
 ]
 
 #: What ``/metrics`` answers with: the classic text format every Prometheus reads.
@@ -217,6 +218,10 @@ class _LoopHistogram:
         bucket = bisect_left(bounds, amount)
         if amount <= bounds[bucket]:  # false only for NaN (the last bound is +Inf)
             self._buckets[bucket].value += 1
+
+
+#: A route's in-flight gauge value (:meth:`GatewayMetrics.in_flight`): ``inc``, ``dec``.
+InFlight = _LoopValue
 
 
 class _Children(dict[Any, _C]):
@@ -452,7 +457,7 @@ class GatewayMetrics:
         self._rendering: asyncio.Future[bytes] | None = None
 
     # -- per request (edge middleware) ---------------------------------------------------
-    def in_flight(self, route: str) -> _LoopValue:
+    def in_flight(self, route: str) -> InFlight:
         """The in-flight gauge value of ``route`` (inc on arrival, dec on answer)."""
         return self._in_flight[route]
 
