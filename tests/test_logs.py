@@ -138,6 +138,14 @@ def test_redactor_masks_keys_tokens_and_known_secrets() -> None:
     assert out.endswith(", abc")
 
 
+def test_a_bearer_token_is_masked_however_the_word_is_cased() -> None:
+    # The pattern is case-insensitive; the cheap pre-check before it must be too.
+    redact = Redactor()
+    for word in ("Bearer", "bearer", "BEARER", "BeArEr", "bEARER"):
+        out = redact(f"Authorization: {word} tok-abcdefghij123")
+        assert out == "Authorization: Bearer [REDACTED]", word
+
+
 def test_known_secrets_holding_a_marker_are_masked_whole() -> None:
     # Secrets with "sk-" or "llmg_" in them are searched only in texts holding that marker:
     # found whole (not as the pattern's "sk-[REDACTED]"), and the patterns still apply after.
