@@ -106,49 +106,39 @@ def answered(request: web.Request, arrival: Arrival, status: int) -> None:
 
 
 def _access_line(request: web.Request, route: str, status: int, elapsed: float) -> None:
-    # One dict display per line (the fastest way to build it), ids as UUIDs (orjson
-    # writes them as str() would, without str()'s Python-level formatting).
+    # Ids go as UUIDs: orjson writes them as str() would, without str()'s Python-level
+    # formatting. Items are set one by one (update() of a second dict costs more).
+    fields: dict[str, Any] = {
+        "request_id": request_id_of(request),
+        "method": request.method,
+        "route": route,
+        "path": request.path,
+        "status": status,
+        "latency_ms": round(elapsed * 1000, 3),
+        "client_ip": request.remote,
+    }
     record = request.get(CALL_RECORD)
-    fields: dict[str, Any]
     if record is None:
-        fields = {
-            "request_id": request_id_of(request),
-            "method": request.method,
-            "route": route,
-            "path": request.path,
-            "status": status,
-            "latency_ms": round(elapsed * 1000, 3),
-            "client_ip": request.remote,
-        }
         key_id = request.get(KEY_ID)
         if key_id is not None:
             fields["key_id"] = key_id
     else:
         usage = record.usage
         ttft = record.ttft
-        fields = {
-            "request_id": request_id_of(request),
-            "method": request.method,
-            "route": route,
-            "path": request.path,
-            "status": status,
-            "latency_ms": round(elapsed * 1000, 3),
-            "client_ip": request.remote,
-            "key_id": record.api_key_id or None,
-            "model": record.requested_model,
-            "served_model": record.served_model,
-            "provider": record.provider,
-            "stream": record.stream,
-            "outcome": record.outcome,
-            "input_tokens": usage.prompt_tokens,
-            "output_tokens": usage.completion_tokens,
-            "tokens_estimated": usage.estimated,
-            "cost_usd": cost_of(record),
-            "ttft_ms": round(ttft * 1000, 3) if ttft is not None else None,
-            "retries": record.retries,
-            "failovers": record.failovers,
-            "error": record.error_type,
-        }
+        fields["key_id"] = record.api_key_id or None
+        fields["model"] = record.requested_model
+        fields["served_model"] = record.served_model
+        fields["provider"] = record.provider
+        fields["stream"] = record.stream
+        fields["outcome"] = record.outcome
+        fields["input_tokens"] = usage.prompt_tokens
+        fields["output_tokens"] = usage.completion_tokens
+        fields["tokens_estimated"] = usage.estimated
+        fields["cost_usd"] = cost_of(record)
+        fields["ttft_ms"] = round(ttft * 1000, 3) if ttft is not None else None
+        fields["retries"] = record.retries
+        fields["failovers"] = record.failovers
+        fields["error"] = record.error_type
     logs.log_fields(access_log, "access", fields)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 import re
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -26,7 +26,7 @@ from gateway.http.errors import error_body_in, error_response, error_shape_for
 from gateway.http.state import STATE
 
 __all__ = [
-    "REQUEST_ID", "SecurityHeaders", "error_answer", "error_middleware", "new_request_id", "request_id_of",
+    "REQUEST_ID", "SecurityHeaders", "error_answer", "new_request_id", "request_id_of",
 ]
 
 log = logging.getLogger("gateway.http")
@@ -35,8 +35,6 @@ REQUEST_ID = "x-request-id"
 _REQUEST_ID_KEY = web.RequestKey("request_id", str)
 #: A client's own request id is kept only if it is short and plain (no header injection).
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def new_request_id() -> str:
@@ -105,19 +103,6 @@ def error_answer(request: web.Request, exc: Exception) -> web.StreamResponse | N
         body=error_body_in(error_shape_for(request.path), 500, "internal error", "server_error", "internal_error"),
         content_type="application/json",
     )
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Errors in the contract's shape (:func:`error_answer`), for the management plane."""
-    request_id_of(request)
-    try:
-        return await handler(request)
-    except Exception as exc:
-        answer = error_answer(request, exc)
-        if answer is None:
-            raise
-        return answer
 
 
 class SecurityHeaders:
