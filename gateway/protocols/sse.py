@@ -52,12 +52,14 @@ class EventSplitter:
         """
         size = len(chunk)
         buf = self._buf
-        if (not buf and not self._held_cr and chunk.endswith(b"\n\n")
+        newline = chunk.find(b"\n")
+        if (not buf and not self._held_cr
                 # Its only blank line is its end: a one-line event's first newline is its
-                # end's (one memchr), else no "\n\n" before the end. rfind and the
-                # one-byte finds are C's fast searches; `in` and find of two bytes cost
-                # four times as much on a 200-byte chunk.
-                and (chunk.find(b"\n") == size - 2 or chunk.rfind(b"\n\n", 0, size - 1) < 0)
+                # end's (one memchr, and its last byte a newline), else it ends in "\n\n"
+                # with none before. rfind and the one-byte finds are C's fast searches; `in`
+                # and find of two bytes cost four times as much on a 200-byte chunk.
+                and ((newline == size - 2 and chunk[-1] == 0x0A)
+                     or (chunk.endswith(b"\n\n") and chunk.rfind(b"\n\n", 0, size - 1) < 0))
                 and chunk.find(b"\r") < 0):
             # The common case of a relayed stream: a read that is exactly one whole event.
             # It is given as it came, without copying it through the buffer (the same
