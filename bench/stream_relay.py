@@ -3,11 +3,13 @@
     python -m bench.stream_relay [--streams N] [--rounds R] [--per-read K] [--hide-usage] [--openai]
 
 Drives the per-chunk path a chat stream relayed to a chat client takes, with the real
-code at every step but the sockets: the OpenAI provider's event iterator
-(``gateway.providers.openai._events``, over ``iter_events``) reading a fake aiohttp
-response whose ``content.readany()`` hands over ``K`` events per read (default 1, as in
-S3, where chunks come 20 ms apart), the first event read by dispatch's ``_first_event``,
-the breaker's ``_watch`` generator, the chat adapter's relay (``_ChatRelay`` over a
+code at every step but the sockets: the OpenAI provider's event stream
+(``gateway.providers.openai._events``: one ``EventStream``, the silence bound, the SSE
+split of ``EventSplitter`` and the transport error mapping in one ``__anext__``) reading a
+fake aiohttp response whose ``content.readany()`` hands over ``K`` events per read
+(default 1, as in S3, where chunks come 20 ms apart), the first event read by dispatch's
+``_first_event``, the breaker's watch (``_watch``: a hook on the stream, no generator
+of its own), the chat adapter's relay (``_ChatRelay`` over a
 ``StreamTap``) and a copy of the loop of ``pipeline._stream`` (its guard, cache, checks
 and capture hooks off, as in the bench), writing into a response that only counts what
 it is given. Each stream is S3's: the role chunk, 50 content chunks (236-byte events), the
@@ -93,7 +95,7 @@ class _Content:
 
 
 class _Protocol:
-    """The connection's protocol: the request's ``sock_read``, taken over by ``stream_chunks``."""
+    """The connection's protocol: the request's ``sock_read``, taken over by the ``EventStream``."""
 
     read_timeout: float | None = 300.0
 
@@ -104,7 +106,7 @@ class _Connection:
 
 
 class _Response:
-    """The upstream aiohttp response, as ``_events`` (through ``stream_chunks``) reads it."""
+    """The upstream aiohttp response, as ``_events`` (an ``EventStream``) reads it."""
 
     closed = False
 
@@ -117,7 +119,7 @@ class _Response:
 
 
 class _Breaker:
-    """The breaker handle ``_watch`` reports a cut stream to."""
+    """The breaker handle ``_watch`` has the stream report a cut to."""
 
     def __init__(self) -> None:
         self.failures = 0
@@ -148,18 +150,13 @@ async def _relay_one(reads: list[bytes], parsed: Parsed, breaker: _Breaker, sink
     _watch(reply, first, "bench/stream", breaker)  # type: ignore[arg-type]
     relay = CHAT.relay(reply, parsed, False, 12)
     events: AsyncIterator[bytes] = reply.events  # type: ignore[assignment]
-    # pipeline._stream's loop, its hooks off (None in the bench): their four tests are
-    # made per event, their bodies never run.
+    # pipeline._stream's loop, its hooks off (None in the bench): the one test that rules
+    # them out is made per event, their bodies never run.
     screen = storable = checks = capture = None
+    hooked = screen is not None or storable or checks is not None or capture is not None
     ending: list[bytes] = []
     async for event in events:
-        if screen is not None:
-            pass
-        if storable is not None:
-            pass
-        if checks is not None:
-            pass
-        if capture is not None:
+        if hooked:
             pass
         out = relay.feed(event)
         if out:

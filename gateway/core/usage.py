@@ -201,12 +201,16 @@ class StreamTap:
             else:
                 end = data.find(b'"', start)  # the text's closing quote: a plain text has none of its own
                 fits = end >= 0 and data.startswith(rest, end) and self._padded(data, end)
-            if fits and _PLAIN_STRING.fullmatch(data, start, end):
+            if fits:
                 try:
                     text = data[start:end].decode()
                 except UnicodeDecodeError:
-                    pass  # not UTF-8: the parse below says it is malformed
-                else:
+                    text = ""  # not UTF-8: the parse below says it is malformed
+                    fits = False
+                # A plain string (what _PLAIN_STRING matches) in three C calls on the
+                # decoded text, half the regex's cost: isprintable() is False for every
+                # control character (and for a few other characters, parsed below).
+                if fits and text.isprintable() and '"' not in text and "\\" not in text:
                     self.text_chars += len(text)
                     if self._kept_text is not None:
                         self._kept_text.append(text)

@@ -47,9 +47,10 @@ provider serves embeddings (others are passed over, not counted as failures).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,7 @@ from gateway.providers.base import (
     UpstreamReply,
     UpstreamTimeoutError,
     error_detail,
+    watched,
 )
 from gateway.relay.retry import RETRYABLE_STATUSES, is_failure_status, may_resend
 from gateway.relay.routing import Route, Target
@@ -460,10 +462,11 @@ def _is_done(event: bytes) -> bool:
 def _watch(reply: UpstreamReply, first: bytes, deployment: str, breaker: BreakerHandle) -> None:
     """Relay ``first`` then the rest; a stream cut or broken mid-way is a failure.
 
-    A relay that stops reading (client gone) leaves the generator unfinished: neutral.
+    A relay that stops reading (client gone) leaves the stream unfinished: neutral. The
+    events are told (:meth:`~gateway.providers.base.ReplyEvents.watch`) rather than
+    wrapped: no generator between the provider's reader and the relay.
     """
-    inner = reply.events
-    assert inner is not None
+    assert reply.events is not None
     # The wire's end, and bytes its end event always holds: an event without them is not
     # the end. Asked of every event, one rfind (0.06 µs on an S3 chunk) rules them out
     # without a call (event_data costs 0.18 µs, `in` 0.13-0.16 µs). Every event of a
@@ -473,19 +476,6 @@ def _watch(reply: UpstreamReply, first: bytes, deployment: str, breaker: Breaker
         else (is_response_end, b"") if reply.wire == "responses"
         else (is_message_stop, b"message_stop")
     )
-
-    async def events() -> AsyncIterator[bytes]:
-        done = ends(first)
-        try:
-            yield first
-            async for event in inner:
-                if not done and event.rfind(marker) >= 0 and ends(event):
-                    done = True
-                yield event
-        except ProviderError:
-            breaker.report(deployment, Outcome.FAILURE)
-            raise
-        if not done:
-            breaker.report(deployment, Outcome.FAILURE)
-
-    reply.events = events()
+    events = watched(reply.events)
+    events.watch(first, ends, marker, functools.partial(breaker.report, deployment, Outcome.FAILURE))
+    reply.events = events

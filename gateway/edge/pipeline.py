@@ -396,17 +396,20 @@ async def _stream(
     #: What the upstream's last event(s) became: the stream's end marker, held back until
     #: the call's record is in the journal.
     ending: list[bytes] = []
+    # Most streams have none of the hooks: one test per event rules the four out.
+    hooked = screen is not None or storable or checks is not None or capture is not None
     try:
         await response.prepare(request)
         async for event in reply.events:
-            if screen is not None:
-                event = screen.feed(event)  # before the cache too: it must never keep what was redacted
-            if storable and cache is not None:
-                cache.collect(event)  # as the provider sent it (bar redactions): stored once complete
-            if checks is not None:
-                checks.observe(event)  # raises if a check that has answered refused the text
-            if capture is not None:
-                capture.streamed(event, reply.wire)  # after the window: never a redacted text
+            if hooked:
+                if screen is not None:
+                    event = screen.feed(event)  # before the cache too: it must never keep what was redacted
+                if storable and cache is not None:
+                    cache.collect(event)  # as the provider sent it (bar redactions): stored once complete
+                if checks is not None:
+                    checks.observe(event)  # raises if a check that has answered refused the text
+                if capture is not None:
+                    capture.streamed(event, reply.wire)  # after the window: never a redacted text
             out = relay.feed(event)
             if out:
                 if relay.done:

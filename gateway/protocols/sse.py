@@ -12,7 +12,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 
 import orjson
 
-__all__ = ["EventTooLarge", "iter_events", "event_data", "stream_texts"]
+__all__ = ["EventSplitter", "EventTooLarge", "iter_events", "event_data", "stream_texts"]
 
 #: Largest single event accepted; bounds memory on a provider that never ends an event.
 MAX_EVENT_BYTES = 16 * 1024 * 1024
@@ -21,38 +21,55 @@ MAX_EVENT_BYTES = 16 * 1024 * 1024
 class EventTooLarge(ValueError):
     """An event grew past MAX_EVENT_BYTES without a terminating blank line."""
 
+    def __init__(self, message: str, events: list[bytes] | None = None) -> None:
+        super().__init__(message)
+        #: The complete events of the chunk that overflowed, before the one too large.
+        self.events: list[bytes] = events or []
 
-async def iter_events(
-    chunks: AsyncIterable[bytes], *, max_event_bytes: int = MAX_EVENT_BYTES
-) -> AsyncIterator[bytes]:
-    """Yield each complete event (ending with its blank line) from a byte stream.
 
-    CRLF line ends are folded to LF. Bytes after the last blank line (an unterminated
-    event) are yielded at the end, terminated, so nothing the provider sent is lost.
+class EventSplitter:
+    """The split of a byte stream into events, one chunk at a time: what :func:`iter_events`
+    yields, for a reader that takes its chunks itself (a provider's event stream).
+
+    CRLF line ends are folded to LF; an event is yielded with its blank line, byte for byte
+    as it came. :meth:`feed` gives the events a chunk completes, :meth:`end` the bytes after
+    the last blank line (an unterminated event), terminated, so nothing sent is lost.
     """
-    buf = bytearray()
-    scan_from = 0  # where the next search for a blank line starts; never rescans a byte
-    held_cr = False  # the previous chunk ended in "\r": it may be half of a CRLF
-    async for chunk in chunks:
-        if not chunk:
-            continue
+
+    __slots__ = ("_buf", "_held_cr", "_max_event_bytes", "_scan_from")
+
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self._buf = bytearray()
+        self._scan_from = 0  # where the next search for a blank line starts; never rescans a byte
+        self._held_cr = False  # the previous chunk ended in "\r": it may be half of a CRLF
+        self._max_event_bytes = max_event_bytes
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The events ``chunk`` completes, in order (none, or often ``[chunk]`` itself).
+
+        Raises :class:`EventTooLarge` when the event being read grows past the bound; the
+        events the chunk completed before it are the exception's ``events``.
+        """
         size = len(chunk)
-        if (not buf and not held_cr and chunk.endswith(b"\n\n")
+        buf = self._buf
+        newline = chunk.find(b"\n")
+        if (not buf and not self._held_cr
                 # Its only blank line is its end: a one-line event's first newline is its
-                # end's (one memchr), else no "\n\n" before the end. rfind and the
-                # one-byte finds are C's fast searches; `in` and find of two bytes cost
-                # four times as much on a 200-byte chunk.
-                and (chunk.find(b"\n") == size - 2 or chunk.rfind(b"\n\n", 0, size - 1) < 0)
+                # end's (one memchr, and its last byte a newline), else it ends in "\n\n"
+                # with none before. rfind and the one-byte finds are C's fast searches; `in`
+                # and find of two bytes cost four times as much on a 200-byte chunk.
+                and ((newline == size - 2 and chunk[-1] == 0x0A)
+                     or (chunk.endswith(b"\n\n") and chunk.rfind(b"\n\n", 0, size - 1) < 0))
                 and chunk.find(b"\r") < 0):
             # The common case of a relayed stream: a read that is exactly one whole event.
-            # It is yielded as it came, without copying it through the buffer (the same
-            # bytes the general path would yield).
-            if chunk[0] > 0x20 or chunk.strip():
-                yield chunk
-            continue
-        if held_cr:
+            # It is given as it came, without copying it through the buffer (the same
+            # bytes the general path would give).
+            return [chunk] if chunk[0] > 0x20 or chunk.strip() else []
+        if not chunk:
+            return []
+        if self._held_cr:
             chunk = b"\r" + chunk
-        held_cr = chunk.endswith(b"\r")
+        held_cr = self._held_cr = chunk.endswith(b"\r")
         if held_cr:
             chunk = chunk[:-1]
         # Folding each chunk on its own (with a held trailing CR) keeps the work linear
@@ -60,7 +77,9 @@ async def iter_events(
         if b"\r" in chunk:
             chunk = chunk.replace(b"\r\n", b"\n")
         buf += chunk
+        events = []
         start = 0
+        scan_from = self._scan_from
         while True:
             end = buf.find(b"\n\n", max(scan_from, start))
             if end < 0:
@@ -68,17 +87,49 @@ async def iter_events(
             event = bytes(buf[start : end + 2])
             start = end + 2
             if event.strip():
-                yield event
+                events.append(event)
         if start:
             del buf[:start]  # one deletion per chunk, not one per event
-        scan_from = max(0, len(buf) - 1)
-        if len(buf) > max_event_bytes:
-            raise EventTooLarge(f"SSE event over {max_event_bytes} bytes")
-    if held_cr:
-        buf += b"\r"  # a lone CR at the very end: keep the byte
-    tail = bytes(buf).strip(b"\n")
-    if tail.strip():
-        yield tail + b"\n\n"
+        self._scan_from = max(0, len(buf) - 1)
+        if len(buf) > self._max_event_bytes:
+            raise EventTooLarge(f"SSE event over {self._max_event_bytes} bytes", events)
+        return events
+
+    def end(self) -> bytes | None:
+        """At the stream's end: what is left after the last blank line as one terminated
+        event, or None (nothing but blank lines is left)."""
+        buf = self._buf
+        if self._held_cr:
+            buf += b"\r"  # a lone CR at the very end: keep the byte
+            self._held_cr = False
+        tail = bytes(buf).strip(b"\n")
+        buf.clear()
+        self._scan_from = 0
+        return tail + b"\n\n" if tail.strip() else None
+
+
+async def iter_events(
+    chunks: AsyncIterable[bytes], *, max_event_bytes: int = MAX_EVENT_BYTES
+) -> AsyncIterator[bytes]:
+    """Yield each complete event (ending with its blank line) from a byte stream
+    (:class:`EventSplitter`'s split).
+
+    CRLF line ends are folded to LF. Bytes after the last blank line (an unterminated
+    event) are yielded at the end, terminated, so nothing the provider sent is lost.
+    """
+    splitter = EventSplitter(max_event_bytes)
+    async for chunk in chunks:
+        try:
+            events = splitter.feed(chunk)
+        except EventTooLarge as exc:
+            for event in exc.events:
+                yield event
+            raise
+        for event in events:
+            yield event
+    tail = splitter.end()
+    if tail is not None:
+        yield tail
 
 
 def event_data(event: bytes) -> bytes | None:

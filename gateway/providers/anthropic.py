@@ -29,9 +29,9 @@ from gateway.protocols.anthropic import (
     to_openai_error,
 )
 from gateway.protocols.anthropic_stream import ChunksFromEvents, StreamBroken
-from gateway.protocols.sse import iter_events
 from gateway.providers.base import (
     IDENTITY_ENCODING,
+    EventStream,
     Provider,
     Timeouts,
     UpstreamProtocolError,
@@ -40,7 +40,6 @@ from gateway.providers.base import (
     fetch_model_ids,
     map_transport_errors,
     read_reply,
-    stream_chunks,
 )
 
 __all__ = [
@@ -189,10 +188,9 @@ class AnthropicProvider(Provider):
         return UpstreamReply(status=resp.status, headers=reply_headers, body=raw, wire="anthropic")
 
 
-async def _native_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    with map_transport_errors():
-        async for event in iter_events(stream_chunks(resp)):
-            yield event
+def _native_events(resp: aiohttp.ClientResponse) -> EventStream:
+    """Anthropic's events as sent."""
+    return EventStream(resp)
 
 
 def _wants_usage(body: Mapping[str, Any]) -> bool:
@@ -200,11 +198,9 @@ def _wants_usage(body: Mapping[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
-async def _translated_events(resp: aiohttp.ClientResponse, translator: StreamTranslator) -> AsyncIterator[bytes]:
-    with map_transport_errors():
-        async for event in iter_events(stream_chunks(resp)):
-            for out in translator.feed(event):
-                yield out
+def _translated_events(resp: aiohttp.ClientResponse, translator: StreamTranslator) -> EventStream:
+    """Anthropic's events as OpenAI chunk events."""
+    return EventStream(resp, translator.feed)
 
 
 async def _replay_whole(message: dict[str, Any], translator: StreamTranslator) -> AsyncIterator[bytes]:

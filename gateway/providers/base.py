@@ -20,12 +20,14 @@ import orjson
 import yarl
 
 from gateway.core.config import Deployment, ProviderConfig
-from gateway.protocols.sse import EventTooLarge
+from gateway.protocols.sse import EventSplitter, EventTooLarge
 from gateway.providers.credentials import Credential
 
 __all__ = [
+    "EventStream",
     "Provider",
     "ProviderError",
+    "ReplyEvents",
     "Timeouts",
     "UpstreamConnectError",
     "UpstreamProtocolError",
@@ -42,6 +44,7 @@ __all__ = [
     "read_reply",
     "read_whole",
     "stream_chunks",
+    "watched",
 ]
 
 #: Sent with every provider request. aiohttp offers ``gzip, deflate`` by default, and the
@@ -343,6 +346,18 @@ class Provider:
         """Release what the provider holds beyond the shared session."""
 
 
+def _taken_bound(resp: aiohttp.ClientResponse) -> float | None:
+    """The request's ``sock_read`` bound, taken over from aiohttp (None: no bound to keep,
+    the whole body is read already or none was asked for)."""
+    connection = resp.connection
+    protocol = connection.protocol if connection is not None else None
+    idle = protocol.read_timeout if protocol is not None else None
+    if protocol is None or not idle:
+        return None
+    protocol.read_timeout = None  # aiohttp's timer is disarmed at the next read; ours bounds from here
+    return idle
+
+
 def stream_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     """A streamed body's chunks as they arrive (``resp.content.iter_any()``), the silence
     between two bounded by the request's ``sock_read`` (its :class:`Timeouts` ``idle``)
@@ -355,13 +370,11 @@ def stream_chunks(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     bound or fails the read as aiohttp would (``SocketTimeoutError``, the connection closed).
     Bytes that came and wait unread (the relay's client is slow to take them) are not a
     silence of the upstream: the bound waits on, as aiohttp's does while bytes arrive.
+    An SSE answer is read by :class:`EventStream`, with the same bound.
     """
-    connection = resp.connection
-    protocol = connection.protocol if connection is not None else None
-    idle = protocol.read_timeout if protocol is not None else None
-    if protocol is None or not idle:
-        return resp.content.iter_any()  # the whole body is read already, or no bound was asked
-    protocol.read_timeout = None  # aiohttp's timer is disarmed at the next read; ours bounds from here
+    idle = _taken_bound(resp)
+    if idle is None:
+        return resp.content.iter_any()
     return _SilenceBound(resp, idle)
 
 
@@ -370,15 +383,18 @@ class _SilenceBound:
 
     __slots__ = ("_content", "_idle", "_last_read", "_loop", "_received_at_read", "_resp", "_timer")
 
-    def __init__(self, resp: aiohttp.ClientResponse, idle: float) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, idle: float | None) -> None:
         self._resp = resp
-        self._content = resp.content
-        self._idle = idle
+        self._content: Any = resp.content
+        self._idle = idle or 0.0
         self._loop = asyncio.get_running_loop()
         self._last_read = self._loop.time()
         #: The body's bytes received as of the last read (``readany`` takes all there are).
         self._received_at_read = self._content.total_bytes
-        self._timer: asyncio.TimerHandle | None = self._loop.call_at(self._last_read + idle, self._check)
+        #: None: no bound (the whole body is read already, or none was asked for).
+        self._timer: asyncio.TimerHandle | None = (
+            self._loop.call_at(self._last_read + idle, self._check) if idle else None
+        )
 
     def __aiter__(self) -> _SilenceBound:
         return self
@@ -420,6 +436,211 @@ class _SilenceBound:
         # which would otherwise fail the read as a mere closed connection.
         self._content.set_exception(aiohttp.SocketTimeoutError("Timeout on reading data from socket"))
         self._resp.close()
+
+
+class ReplyEvents:
+    """What a stream reply's ``events`` are once dispatch has them: an async iterator of
+    events that can take back the first one (read ahead by dispatch) and tell whoever
+    watches it how the stream ended, without a wrapping generator per stream.
+
+    :meth:`watch` puts ``first`` back in front and names the end: the events holding
+    ``marker`` that ``ends`` says are the wire's end. ``failed`` is called once if the
+    stream breaks (a :class:`ProviderError`) or ends without its end event; never when
+    the reader stops reading (its client left) or another error ends it.
+
+    The attributes below are each subclass's slots (none here: a reader may also be a
+    :class:`_SilenceBound`, whose slots come first).
+    """
+
+    _queued: list[Any]
+    _marker: bytes | None
+    _ends: Callable[[bytes], bool]
+    _failed: Callable[[], object] | None
+
+    def __aiter__(self) -> ReplyEvents:
+        return self
+
+    async def __anext__(self) -> bytes:
+        raise NotImplementedError
+
+    def watch(self, first: bytes, ends: Callable[[bytes], bool], marker: bytes, failed: Callable[[], object]) -> None:
+        self._queued.append(first)  # given again before anything queued after it
+        self._ends = ends
+        # None once the end came (or nobody asks): no event is looked at for it any more.
+        self._marker = None if ends(first) else marker
+        self._failed = failed
+
+    def _broken(self, exc: BaseException) -> None:
+        """The stream ends with ``exc``: a ProviderError is the watcher's failure."""
+        failed, self._failed = self._failed, None
+        if failed is not None and isinstance(exc, ProviderError):
+            failed()
+
+    def _over(self) -> None:
+        """The stream ended: without its end event, the watcher's failure."""
+        failed, self._failed = self._failed, None
+        if failed is not None and self._marker is not None:
+            failed()
+
+
+def _never_ends(event: bytes) -> bool:
+    return False
+
+
+class _Watched(ReplyEvents):
+    """Any other reply's events (a translated or replayed stream) made a :class:`ReplyEvents`."""
+
+    __slots__ = ("_ends", "_failed", "_inner", "_marker", "_over_already", "_queued")
+
+    def __init__(self, inner: AsyncIterator[bytes]) -> None:
+        self._inner = inner
+        self._queued = []
+        self._marker = None
+        self._ends = _never_ends
+        self._failed = None
+        self._over_already = False
+
+    async def __anext__(self) -> bytes:
+        queued = self._queued
+        if queued:
+            event: bytes = queued.pop()
+        elif self._over_already:
+            raise StopAsyncIteration
+        else:
+            try:
+                event = await self._inner.__anext__()
+            except StopAsyncIteration:
+                self._over_already = True
+                self._over()
+                raise
+            except BaseException as exc:
+                self._over_already = True
+                self._broken(exc)
+                raise
+        marker = self._marker
+        if marker is not None and event.rfind(marker) >= 0 and self._ends(event):
+            self._marker = None
+        return event
+
+
+def watched(events: AsyncIterator[bytes]) -> ReplyEvents:
+    """``events`` as a :class:`ReplyEvents` (itself, when it is one already)."""
+    return events if isinstance(events, ReplyEvents) else _Watched(events)
+
+
+class _Exhausted:
+    """The body of a stream that is over: every read is its end."""
+
+    __slots__ = ()
+
+    total_bytes = 0
+
+    async def readany(self) -> bytes:
+        return b""
+
+
+_EXHAUSTED = _Exhausted()
+
+
+class EventStream(_SilenceBound, ReplyEvents):
+    """An SSE answer as its events, one class-based iterator per stream: each ``__anext__``
+    reads a chunk behind :func:`stream_chunks`' silence bound, splits it into events
+    (:class:`~gateway.protocols.sse.EventSplitter`: a chunk that is one event is that event,
+    the others of a chunk wait in a queue), and translates a transport failure into a
+    :class:`ProviderError` as :func:`map_transport_errors` does. ``translate``, if given,
+    turns each event into the events relayed (a provider speaking another wire).
+
+    It replaces four layers of async generators (the bound, the split, the error mapping
+    and dispatch's watch): a chunk is one coroutine over aiohttp's read, not five.
+    """
+
+    __slots__ = ("_ends", "_failed", "_marker", "_over_already", "_queued", "_splitter", "_translate")
+
+    def __init__(self, resp: aiohttp.ClientResponse,
+                 translate: Callable[[bytes], list[bytes]] | None = None) -> None:
+        _SilenceBound.__init__(self, resp, _taken_bound(resp))
+        self._splitter = EventSplitter()
+        self._translate = translate
+        #: Events (and at most one error, last) still to give, the next one last.
+        self._queued = []
+        self._marker = None
+        self._ends = _never_ends
+        self._failed = None
+        self._over_already = False
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        queued = self._queued
+        if queued:
+            event = queued.pop()
+            if event.__class__ is not bytes:
+                raise event  # the overflow of a chunk whose complete events came first
+        else:
+            content = self._content
+            while True:
+                try:
+                    chunk = await content.readany()
+                    if chunk:
+                        self._last_read = self._loop.time()
+                        self._received_at_read = content.total_bytes
+                        events = self._splitter.feed(chunk)
+                    else:
+                        events = self._end()
+                    if self._translate is not None:
+                        events = [out for event in events for out in self._translate(event)]
+                except StopAsyncIteration:
+                    raise
+                except BaseException as exc:
+                    error = self._failing(exc)
+                    if error is None:
+                        raise
+                    if isinstance(exc, EventTooLarge) and exc.events:
+                        self._pending(exc.events, error, exc)
+                        return await self.__anext__()
+                    raise error from exc
+                if events:
+                    break
+            event = events[0]
+            if len(events) > 1:
+                events.reverse()
+                events.pop()
+                queued += events
+        marker = self._marker
+        if marker is not None and event.rfind(marker) >= 0 and self._ends(event):
+            self._marker = None
+        return event
+
+    def _end(self) -> list[bytes]:
+        """The body is over: its unterminated tail as an event (once), else the end."""
+        self._disarm()
+        if not self._over_already:
+            self._over_already = True
+            self._content = _EXHAUSTED
+            tail = self._splitter.end()
+            if tail is not None:
+                return [tail]
+        self._over()
+        raise StopAsyncIteration
+
+    def _failing(self, exc: BaseException) -> ProviderError | None:
+        """The stream fails with ``exc``: nothing more is read; the ProviderError it is
+        (None: ``exc`` is one already, or no transport failure), the watcher told."""
+        self._disarm()
+        self._over_already = True
+        self._content = _EXHAUSTED
+        error = _translated(exc)
+        self._broken(error if error is not None else exc)
+        return error
+
+    def _pending(self, events: list[bytes], error: ProviderError, cause: BaseException) -> None:
+        """A chunk completed ``events`` then overflowed: they are given, then ``error``."""
+        if self._translate is not None:
+            events = [out for event in events for out in self._translate(event)]
+        error.__cause__ = cause
+        queued: list[Any] = [error, *reversed(events)]
+        self._queued = queued
 
 
 async def read_whole(resp: aiohttp.ClientResponse, limit: int) -> bytes:

@@ -6,7 +6,7 @@ headers is forwarded except the trace context the relay passes in ``headers``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -14,9 +14,9 @@ import aiohttp
 import orjson
 
 from gateway.core.config import ProviderConfig
-from gateway.protocols.sse import iter_events
 from gateway.providers.base import (
     IDENTITY_ENCODING,
+    EventStream,
     Provider,
     Timeouts,
     UpstreamProtocolError,
@@ -25,7 +25,6 @@ from gateway.providers.base import (
     fetch_model_ids,
     map_transport_errors,
     read_reply,
-    stream_chunks,
 )
 
 __all__ = ["OpenAIProvider"]
@@ -135,7 +134,6 @@ def _checked_whole_answer(payload: bytes, content_type: str, *, stream: bool) ->
     return answer  # parsed once: handed on in the reply, never parsed again
 
 
-async def _events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    with map_transport_errors():
-        async for event in iter_events(stream_chunks(resp)):
-            yield event
+def _events(resp: aiohttp.ClientResponse) -> EventStream:
+    """The stream's events as the provider sent them."""
+    return EventStream(resp)

@@ -22,7 +22,7 @@ refresh is blocking I/O), one refresh at a time. Tokens are never logged.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 from urllib.parse import quote
@@ -37,16 +37,14 @@ from google.oauth2 import service_account
 from gateway.core.config import ProviderConfig
 from gateway.protocols import gemini as gemini_wire
 from gateway.protocols.chat import wants_usage
-from gateway.protocols.sse import iter_events
 from gateway.providers import anthropic
 from gateway.providers.base import (
+    EventStream,
     Timeouts,
     UpstreamProtocolError,
     UpstreamReply,
     json_object,
-    map_transport_errors,
     read_reply,
-    stream_chunks,
 )
 from gateway.providers.credentials import RefreshedInThread
 from gateway.providers.gemini import GeminiProvider, google_error_reply, translated
@@ -179,13 +177,9 @@ class VertexProvider(GeminiProvider):
         return {"Authorization": f"Bearer {await self._token.current()}"}
 
 
-async def _anthropic_events(
-    resp: aiohttp.ClientResponse, translator: anthropic.StreamTranslator
-) -> AsyncIterator[bytes]:
-    with map_transport_errors():
-        async for event in iter_events(stream_chunks(resp)):
-            for out in translator.feed(event):
-                yield out
+def _anthropic_events(resp: aiohttp.ClientResponse, translator: anthropic.StreamTranslator) -> EventStream:
+    """Claude's events on Vertex (Anthropic's wire) as OpenAI chunk events."""
+    return EventStream(resp, translator.feed)
 
 
 def _error_body(status: int, raw: bytes) -> bytes:
