@@ -90,6 +90,8 @@ class Redactor:
 
     def __init__(self, secrets: Iterable[str] = ()) -> None:
         self._secrets: tuple[str, ...] = ()
+        #: The secrets in the same order, each with the markers it holds (see :meth:`json_line`).
+        self._marked: tuple[tuple[str, bool, bool], ...] = ()
         self.add(secrets)
 
     def add(self, secrets: Iterable[str | None]) -> None:
@@ -102,6 +104,7 @@ class Redactor:
         known = set(self._secrets) | fresh
         # Longest first, so a secret containing another is masked whole.
         self._secrets = tuple(sorted(known, key=len, reverse=True))
+        self._marked = tuple((s, "llmg_" in s, "sk-" in s) for s in self._secrets)
 
     def __call__(self, text: str) -> str:
         for secret in self._secrets:
@@ -110,6 +113,37 @@ class Redactor:
         for marker in _MARKERS:
             if marker in text:
                 return _SECRET_PATTERNS.sub(_mask, text)
+        if "bearer" in text.lower():
+            return _SECRET_PATTERNS.sub(_mask, text)
+        return text
+
+    def json_line(self, text: str) -> str:
+        """:meth:`__call__` of a line orjson made (the same result), with fewer scans of it.
+
+        * A secret holding a marker (``sk-``, ``llmg_``) is looked for only if the line
+          holds that marker: without it the secret cannot be there, and no replacement can
+          make it appear (``[REDACTED]`` holds no marker, nor ``[`` or ``]`` one would span).
+        * A bearer credential needs whitespace after the word, and orjson writes none but
+          the space inside strings (control characters are escaped; any other whitespace
+          is not ASCII): an ASCII line without a space needs no lowered copy.
+
+        A line that may need masking goes the way :meth:`__call__` goes.
+        """
+        has_llmg = "llmg_" in text
+        has_sk = "sk-" in text
+        replaced = False
+        for secret, needs_llmg, needs_sk in self._marked:
+            if (needs_llmg and not has_llmg) or (needs_sk and not has_sk):
+                continue
+            if secret in text:
+                text = text.replace(secret, REDACTED)
+                replaced = True
+        if replaced:
+            has_llmg, has_sk = "llmg_" in text, "sk-" in text
+        if has_llmg or has_sk:
+            return _SECRET_PATTERNS.sub(_mask, text)
+        if text.isascii() and " " not in text:
+            return text
         if "bearer" in text.lower():
             return _SECRET_PATTERNS.sub(_mask, text)
         return text
@@ -160,7 +194,7 @@ class JsonFormatter(logging.Formatter):
             head = self._head(name, msg)
         body = orjson.dumps(fields, default=str).decode()
         line = f'{{"ts":"{_iso(created)}{head}}}' if body == "{}" else f'{{"ts":"{_iso(created)}{head},{body[1:]}'
-        return self.redactor(line)
+        return self.redactor.json_line(line)
 
     def _head(self, name: str, msg: str) -> str:
         """What follows the time in a line of ``name`` and ``msg`` (remembered for a few)."""
@@ -173,7 +207,7 @@ class JsonFormatter(logging.Formatter):
         # Redacted once encoded: message, fields and traceback alike (fields hold no
         # secret by design; this is the net under that). Known secrets are matched in
         # their JSON-escaped spelling too, and the patterns use no escaped characters.
-        return self.redactor(orjson.dumps(out, default=str).decode())
+        return self.redactor.json_line(orjson.dumps(out, default=str).decode())
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
