@@ -315,3 +315,60 @@ async def test_served_process_logs_json_without_secrets(process_factory: Any, fa
     assert {a["request_id"] for a in access} >= {"proc-0", "proc-1"}
     assert all(set(a) >= {"ts", "level", "request_id", "status", "latency_ms"} for a in access)
     assert api_key not in log and admin_token not in log and PROVIDER_SECRET not in log
+
+
+@pytest.mark.parametrize("request_id", [None, "req-ctx"])
+async def test_the_billing_line_is_the_line_of_its_standard_fields_byte_for_byte(request_id: str | None) -> None:
+    # _log_billing builds its fields the cheap way when the line is made on the loop (ids
+    # as they are, in the line's order); the reference is its old payload, logged by logging.
+    from asyncpg.pgproto.pgproto import UUID as PgUUID
+
+    from actors.billing import _log_billing
+    from gateway.billing.ledger import NIL_UUID, UsageEvent
+
+    def reference(event: UsageEvent) -> None:
+        logging.getLogger("gateway.billing").info("billing", extra={"fields": {
+            "api_key_id": str(event.api_key_id), "subject_id": str(event.subject_id),
+            "request_id": event.request_id, "response_id": event.response_id, "model": event.requested_model,
+            "served_model": event.served_model, "provider": event.provider, "prompt_tokens": event.prompt_tokens,
+            "completion_tokens": event.completion_tokens, "cost_usd": event.cost_usd, "cost_diem": event.cost_diem,
+            "cost_source": event.cost_source, "status": event.status,
+        }})  # the writer's formatter: the line as logging makes it
+
+    def event(api_key_id: Any, subject_id: Any, **changes: Any) -> UsageEvent:
+        values: dict[str, Any] = dict(
+            call_id=uuid.uuid4(), request_id="req-field", response_id="chatcmpl-1", api_key_id=api_key_id,
+            subject_id=subject_id, requested_model="fast-model", served_model="fast-model-2024", provider="fast",
+            deployment="fast/fast-model", prompt_tokens=14, completion_tokens=9, usage_estimated=False,
+            cost_usd=3.2e-05, cost_diem=None, cost_source="price", latency_seconds=0.001, ttft_seconds=None,
+            status=200, outcome="ok", streamed=False, retries=0, failovers=0, error_type=None, finish_reason="stop",
+            created_at=1.5e9,
+        )
+        values.update(changes)
+        return UsageEvent(**values)
+
+    events = [
+        event(uuid.uuid4(), uuid.uuid4()),
+        event(PgUUID(str(uuid.uuid4())), PgUUID(str(uuid.uuid4()))),  # the key cache's ids
+        event(NIL_UUID, NIL_UUID, response_id=None, served_model=None, provider=None, cost_diem=0.5,
+              cost_usd=0.0, cost_source="unpriced", status=502),
+        event(uuid.uuid4(), PgUUID(str(uuid.uuid4())), request_id='odd "id"\\\n é', requested_model="sk-abcdefghijklmnop",
+              served_model="Bearer abcdefghijkl", cost_usd=1e-300, prompt_tokens=2**31 - 1),
+    ]
+    with json_logs() as (out, setup):
+        setup.add_secrets(["fast-model-2024"])
+        token = bind_request_id(request_id) if request_id is not None else None
+        try:
+            for one in events:
+                _log_billing(one)  # the loop's own way
+                reference(one)
+        finally:
+            if token is not None:
+                reset_request_id(token)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 * len(events)
+    untimed = [re.sub(r'^\{"ts":"[^"]*"', "", line) for line in lines]
+    for fast, standard in zip(untimed[::2], untimed[1::2], strict=True):
+        assert fast == standard
+    assert '"logger":"gateway.billing","msg":"billing"' in lines[0]
+    assert list(orjson.loads(lines[0]))[4] == ("request_id" if request_id else "api_key_id")

@@ -38,6 +38,8 @@ __all__ = [
     "bind_request_id",
     "configure_logging",
     "current_request_id",
+    "hand_off_fields",
+    "lines_made_here",
     "log_fields",
     "reset_request_id",
 ]
@@ -328,6 +330,22 @@ def log_fields(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> None
     if handoff is None or formatter is None or not _reaches_only(logger, handoff):
         logger.info(msg, extra={"fields": fields})
         return
+    handoff.enqueue(formatter.fields_line(logger.name, msg, fields, time.time(), _REQUEST_ID.get()))
+
+
+def lines_made_here(logger: logging.Logger) -> bool:
+    """Whether :func:`log_fields` would make ``logger``'s INFO lines itself (its fast path,
+    level aside): a caller may then build its fields the cheap way (values orjson writes
+    as the standard path writes their ``str()``, e.g. a UUID; the bound request id's key
+    first, where the line puts it) and hand them to :func:`hand_off_fields`."""
+    handoff = _installed
+    return handoff is not None and _installed_json is not None and _reaches_only(logger, handoff)
+
+
+def hand_off_fields(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> None:
+    """:func:`log_fields`' fast path itself; only when :func:`lines_made_here` said so."""
+    handoff, formatter = _installed, _installed_json
+    assert handoff is not None and formatter is not None
     handoff.enqueue(formatter.fields_line(logger.name, msg, fields, time.time(), _REQUEST_ID.get()))
 
 
