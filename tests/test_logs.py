@@ -372,3 +372,25 @@ async def test_the_billing_line_is_the_line_of_its_standard_fields_byte_for_byte
         assert fast == standard
     assert '"logger":"gateway.billing","msg":"billing"' in lines[0]
     assert list(orjson.loads(lines[0]))[4] == ("request_id" if request_id else "api_key_id")
+
+
+def test_lines_batched_on_a_loop_that_ended_are_written_before_the_next_line_in_order() -> None:
+    # A batch is begun on a loop; that loop ends before its flush timer. A line logged
+    # afterwards (no loop, or another loop on the same thread) must not join the dead
+    # loop's batch: the batch goes first, then the line, nothing lost.
+    import asyncio
+
+    logger = logging.getLogger("gateway.test.batches")
+
+    async def on_a_loop(n: int) -> None:
+        log_fields(logger, "batched", {"n": n})
+        log_fields(logger, "batched", {"n": n + 1})
+
+    with json_logs() as (out, setup):
+        asyncio.run(on_a_loop(0))
+        log_fields(logger, "after", {"n": 2})  # no loop: written at once, after the batch
+        asyncio.run(on_a_loop(3))
+        asyncio.run(on_a_loop(5))  # a new loop on the same thread, the old batch still pending
+        setup.stop()
+        lines = [orjson.loads(x) for x in out.getvalue().splitlines()]
+    assert [line["n"] for line in lines] == [0, 1, 2, 3, 4, 5, 6]

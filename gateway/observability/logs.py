@@ -23,6 +23,7 @@ import logging.handlers
 import queue
 import re
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any, TextIO
@@ -266,6 +267,9 @@ class _HandOff(logging.handlers.QueueHandler):
         super().__init__(records)
         #: Records, and lines :func:`log_fields` made ready (str), in the order logged.
         self._batch: list[logging.LogRecord | str] = []
+        #: The loop the batch was begun on, and its thread (see :meth:`enqueue`).
+        self._batch_loop: asyncio.AbstractEventLoop | None = None
+        self._batch_thread = 0
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
         # No copy: this is the root's only handler, and the record is not used after.
@@ -284,7 +288,18 @@ class _HandOff(logging.handlers.QueueHandler):
         Every handoff wakes the writer thread, which then competes with the loop for the
         GIL and, on a pinned core, for the CPU: per record, that was the largest cost of
         an access line in the S1 profile. Batched, a busy loop wakes it 50 times a second.
+
+        A record joining a batch on the thread whose loop began it, while that loop runs,
+        is logged on that loop (whatever runs on the thread runs inside it): known without
+        asking for the running loop (~0.15 µs under uvloop, twice a request).
         """
+        batch = self._batch
+        if batch and self._batch_thread == threading.get_ident() and self._batch_loop is not None \
+                and self._batch_loop.is_running():
+            batch.append(record)
+            if len(batch) >= MAX_BATCH:
+                self.flush_batch()
+            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -293,6 +308,7 @@ class _HandOff(logging.handlers.QueueHandler):
             return
         self._batch.append(record)
         if len(self._batch) == 1:
+            self._batch_loop, self._batch_thread = loop, threading.get_ident()
             loop.call_later(BATCH_SECONDS, self.flush_batch)
         elif len(self._batch) >= MAX_BATCH:
             self.flush_batch()
