@@ -394,3 +394,55 @@ def test_lines_batched_on_a_loop_that_ended_are_written_before_the_next_line_in_
         setup.stop()
         lines = [orjson.loads(x) for x in out.getvalue().splitlines()]
     assert [line["n"] for line in lines] == [0, 1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("bound", [False, True])
+async def test_the_access_line_is_the_line_of_its_fields_byte_for_byte(monkeypatch: pytest.MonkeyPatch, bound: bool) -> None:
+    # The access line's fields are handed over as they are (hand_off_fields); the
+    # reference is the same fields logged by logging (the writer's formatter).
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway.core.usage import CallRecord, Usage
+    from gateway.edge import telemetry
+    from gateway.observability import logs
+
+    handed: list[dict[str, Any]] = []
+    real = logs.hand_off_fields
+
+    def spy(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> None:
+        handed.append(dict(fields))
+        real(logger, msg, fields)
+
+    monkeypatch.setattr(logs, "hand_off_fields", spy)
+    access = logging.getLogger(ACCESS_LOGGER)
+    requests = []
+    for headers, record in (
+        ({"x-request-id": "plain-1"}, None),
+        ({}, CallRecord(request_id="r", api_key_id=uuid.uuid4(), subject_id=uuid.uuid4(), requested_model="m é",
+                        served_model='odd "served"', provider="sk-abcdefghijklmnop", usage=Usage(14, 9), ttft=0.0123456)),
+        ({}, CallRecord(request_id="r", api_key_id=None, subject_id=None, requested_model="Bearer abcdefghijkl x",
+                        outcome="cut", error_type="_StreamCut", retries=2, failovers=1)),
+    ):
+        request = make_mocked_request("POST", "/v1/chat/completions", headers=headers)
+        if record is not None:
+            request[telemetry.CALL_RECORD] = record
+        requests.append(request)
+    key_only = make_mocked_request("GET", "/v1/models")
+    key_only[telemetry.KEY_ID] = uuid.uuid4()
+    requests.append(key_only)
+    with json_logs() as (out, setup):
+        setup.add_secrets(["the-admin-token-value"])
+        for request in requests:
+            token = bind_request_id(telemetry.request_id_of(request)) if bound else None
+            try:
+                telemetry._access_line(request, "/v1/chat/completions", 200, 0.0123)
+                access.info("access", extra={"fields": handed[-1]})
+            finally:
+                if token is not None:
+                    reset_request_id(token)
+    lines = out.getvalue().splitlines()
+    assert len(handed) == len(requests) and len(lines) == 2 * len(requests)
+    untimed = [re.sub(r'^\{"ts":"[^"]*"', "", line) for line in lines]
+    for fast, standard in zip(untimed[::2], untimed[1::2], strict=True):
+        assert fast == standard
+    assert "abcdefghijklmnop" not in out.getvalue() and "abcdefghijkl x" not in out.getvalue()

@@ -139,7 +139,11 @@ def _access_line(request: web.Request, route: str, status: int, elapsed: float) 
         fields["retries"] = record.retries
         fields["failovers"] = record.failovers
         fields["error"] = record.error_type
-    logs.log_fields(access_log, "access", fields)
+    if logs.lines_made_here(access_log):
+        # As the line has them (request_id first, none of the head's keys): handed over as they are.
+        logs.hand_off_fields(access_log, "access", fields)
+    else:
+        logs.log_fields(access_log, "access", fields)
 
 
 def key_known(request: web.Request, api_key_id: uuid.UUID) -> None:

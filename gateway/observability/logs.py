@@ -192,6 +192,12 @@ class JsonFormatter(logging.Formatter):
         if request_id is not None and next(iter(fields), None) != "request_id":
             # The request id goes right after the head; a field of that name gives its value.
             fields = {"request_id": request_id, **fields}
+        return self.ordered_line(name, msg, fields, created)
+
+    def ordered_line(self, name: str, msg: str, fields: dict[str, Any], created: float) -> str:
+        """:meth:`fields_line` of fields that are as the line has them already: none of the
+        head's keys, and ``request_id`` first if a request id is bound. The same text,
+        without looking (what :func:`hand_off_fields` makes for the per-request lines)."""
         head = self._heads.get((name, msg))
         if head is None:
             head = self._head(name, msg)
@@ -352,17 +358,19 @@ def log_fields(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> None
 def lines_made_here(logger: logging.Logger) -> bool:
     """Whether :func:`log_fields` would make ``logger``'s INFO lines itself (its fast path,
     level aside): a caller may then build its fields the cheap way (values orjson writes
-    as the standard path writes their ``str()``, e.g. a UUID; the bound request id's key
-    first, where the line puts it) and hand them to :func:`hand_off_fields`."""
+    as the standard path writes their ``str()``, e.g. a UUID; in the line's order) and
+    hand them to :func:`hand_off_fields`."""
     handoff = _installed
     return handoff is not None and _installed_json is not None and _reaches_only(logger, handoff)
 
 
 def hand_off_fields(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> None:
-    """:func:`log_fields`' fast path itself; only when :func:`lines_made_here` said so."""
+    """:func:`log_fields`' fast path itself, only when :func:`lines_made_here` said so, for
+    fields as the line has them (:meth:`JsonFormatter.ordered_line`: none of the head's
+    keys, ``request_id`` first if a request id is bound); the line of ``log_fields``."""
     handoff, formatter = _installed, _installed_json
     assert handoff is not None and formatter is not None
-    handoff.enqueue(formatter.fields_line(logger.name, msg, fields, time.time(), _REQUEST_ID.get()))
+    handoff.enqueue(formatter.ordered_line(logger.name, msg, fields, time.time()))
 
 
 def _reaches_only(logger: logging.Logger, handoff: _HandOff) -> bool:
