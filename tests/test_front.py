@@ -125,6 +125,28 @@ def test_a_new_request_id_is_32_hex_digits_of_fresh_random_bits() -> None:
         random.setstate(state)
 
 
+def test_the_first_request_id_is_request_id_of() -> None:
+    # The front's first step skips the lookup that would miss on a request with nothing
+    # stored; the id is the one request_id_of gives, and kept for it.
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway.http.middleware import first_request_id, request_id_of
+
+    for sent in (None, "client.id:1-2_3", "has space", "x" * 129):
+        headers = {} if sent is None else {"x-request-id": sent}
+        fresh, reference = make_mocked_request("GET", "/", headers=headers), make_mocked_request("GET", "/", headers=headers)
+        state = random.getstate()
+        rid = first_request_id(fresh)
+        random.setstate(state)
+        assert rid == request_id_of(reference) and request_id_of(fresh) == rid
+    stored = make_mocked_request("GET", "/")
+    stored[web.RequestKey("other", int)] = 1
+    assert first_request_id(stored) == request_id_of(stored)  # something stored: looked up
+    known = request_id_of(stored)
+    assert first_request_id(stored) == known
+
+
 async def test_the_request_id_is_echoed_when_plain_and_replaced_when_not(gateway: Gateway) -> None:
     plain = await gateway.data.get("/healthz", headers={"x-request-id": "client.id:1-2_3"})
     assert plain.headers["x-request-id"] == "client.id:1-2_3"

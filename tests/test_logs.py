@@ -158,6 +158,30 @@ def test_known_secrets_holding_a_marker_are_masked_whole() -> None:
     assert redact("nothing secret, no marker") == "nothing secret, no marker"
 
 
+def test_redacting_a_json_line_gives_what_the_general_redactor_gives() -> None:
+    # json_line skips scans a line orjson made cannot need; the result must be __call__'s.
+    import random
+
+    rng = random.Random(23)
+    secrets = ["sk-live-provider-key-0001", "llmg_operator_token_0000000000", "plain-admin-secret",
+               'quo"ted-secret', "sk-", "bearer-like-secret", "ünïcode-secret"]
+    # Raw pieces of field values: markers, spaces and other whitespace (escaped or not by
+    # orjson), control characters (a \x1b before "earer" reads "\u001bearer" once escaped),
+    # non-ASCII, quotes and backslashes.
+    pieces = ["sk-", "llmg_", "Bearer ", "bEaReR\t", "bearer", "\x1bearer ", "\x08earer ", " ", "\n", "\t", "é",
+              "\xa0", "\u2003", "\x85", "\x1c", "abcdefghijkl0123", "[REDACTED]", "=", "s", "k-", "llmg",
+              "_AbCdEfGhIjKlMnOpQr", '"', "\\", *secrets]
+    for redactor in (Redactor(), Redactor(secrets), Redactor(secrets[:3])):
+        for _ in range(4000):
+            fields = {
+                rng.choice(["a", "sk-key", "note", "bearer"]) + str(i): "".join(
+                    rng.choice(pieces) for _ in range(rng.randrange(6)))
+                for i in range(rng.randrange(4))
+            }
+            line = orjson.dumps(fields).decode()
+            assert redactor.json_line(line) == redactor(line), line
+
+
 def test_formatters_redact_messages_fields_and_tracebacks() -> None:
     redactor = Redactor(["hunter2-admin-token"])
     try:
@@ -291,3 +315,134 @@ async def test_served_process_logs_json_without_secrets(process_factory: Any, fa
     assert {a["request_id"] for a in access} >= {"proc-0", "proc-1"}
     assert all(set(a) >= {"ts", "level", "request_id", "status", "latency_ms"} for a in access)
     assert api_key not in log and admin_token not in log and PROVIDER_SECRET not in log
+
+
+@pytest.mark.parametrize("request_id", [None, "req-ctx"])
+async def test_the_billing_line_is_the_line_of_its_standard_fields_byte_for_byte(request_id: str | None) -> None:
+    # _log_billing builds its fields the cheap way when the line is made on the loop (ids
+    # as they are, in the line's order); the reference is its old payload, logged by logging.
+    from asyncpg.pgproto.pgproto import UUID as PgUUID
+
+    from actors.billing import _log_billing
+    from gateway.billing.ledger import NIL_UUID, UsageEvent
+
+    def reference(event: UsageEvent) -> None:
+        logging.getLogger("gateway.billing").info("billing", extra={"fields": {
+            "api_key_id": str(event.api_key_id), "subject_id": str(event.subject_id),
+            "request_id": event.request_id, "response_id": event.response_id, "model": event.requested_model,
+            "served_model": event.served_model, "provider": event.provider, "prompt_tokens": event.prompt_tokens,
+            "completion_tokens": event.completion_tokens, "cost_usd": event.cost_usd, "cost_diem": event.cost_diem,
+            "cost_source": event.cost_source, "status": event.status,
+        }})  # the writer's formatter: the line as logging makes it
+
+    def event(api_key_id: Any, subject_id: Any, **changes: Any) -> UsageEvent:
+        values: dict[str, Any] = dict(
+            call_id=uuid.uuid4(), request_id="req-field", response_id="chatcmpl-1", api_key_id=api_key_id,
+            subject_id=subject_id, requested_model="fast-model", served_model="fast-model-2024", provider="fast",
+            deployment="fast/fast-model", prompt_tokens=14, completion_tokens=9, usage_estimated=False,
+            cost_usd=3.2e-05, cost_diem=None, cost_source="price", latency_seconds=0.001, ttft_seconds=None,
+            status=200, outcome="ok", streamed=False, retries=0, failovers=0, error_type=None, finish_reason="stop",
+            created_at=1.5e9,
+        )
+        values.update(changes)
+        return UsageEvent(**values)
+
+    events = [
+        event(uuid.uuid4(), uuid.uuid4()),
+        event(PgUUID(str(uuid.uuid4())), PgUUID(str(uuid.uuid4()))),  # the key cache's ids
+        event(NIL_UUID, NIL_UUID, response_id=None, served_model=None, provider=None, cost_diem=0.5,
+              cost_usd=0.0, cost_source="unpriced", status=502),
+        event(uuid.uuid4(), PgUUID(str(uuid.uuid4())), request_id='odd "id"\\\n é', requested_model="sk-abcdefghijklmnop",
+              served_model="Bearer abcdefghijkl", cost_usd=1e-300, prompt_tokens=2**31 - 1),
+    ]
+    with json_logs() as (out, setup):
+        setup.add_secrets(["fast-model-2024"])
+        token = bind_request_id(request_id) if request_id is not None else None
+        try:
+            for one in events:
+                _log_billing(one)  # the loop's own way
+                reference(one)
+        finally:
+            if token is not None:
+                reset_request_id(token)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 * len(events)
+    untimed = [re.sub(r'^\{"ts":"[^"]*"', "", line) for line in lines]
+    for fast, standard in zip(untimed[::2], untimed[1::2], strict=True):
+        assert fast == standard
+    assert '"logger":"gateway.billing","msg":"billing"' in lines[0]
+    assert list(orjson.loads(lines[0]))[4] == ("request_id" if request_id else "api_key_id")
+
+
+def test_lines_batched_on_a_loop_that_ended_are_written_before_the_next_line_in_order() -> None:
+    # A batch is begun on a loop; that loop ends before its flush timer. A line logged
+    # afterwards (no loop, or another loop on the same thread) must not join the dead
+    # loop's batch: the batch goes first, then the line, nothing lost.
+    import asyncio
+
+    logger = logging.getLogger("gateway.test.batches")
+
+    async def on_a_loop(n: int) -> None:
+        log_fields(logger, "batched", {"n": n})
+        log_fields(logger, "batched", {"n": n + 1})
+
+    with json_logs() as (out, setup):
+        asyncio.run(on_a_loop(0))
+        log_fields(logger, "after", {"n": 2})  # no loop: written at once, after the batch
+        asyncio.run(on_a_loop(3))
+        asyncio.run(on_a_loop(5))  # a new loop on the same thread, the old batch still pending
+        setup.stop()
+        lines = [orjson.loads(x) for x in out.getvalue().splitlines()]
+    assert [line["n"] for line in lines] == [0, 1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("bound", [False, True])
+async def test_the_access_line_is_the_line_of_its_fields_byte_for_byte(monkeypatch: pytest.MonkeyPatch, bound: bool) -> None:
+    # The access line's fields are handed over as they are (hand_off_fields); the
+    # reference is the same fields logged by logging (the writer's formatter).
+    from aiohttp.test_utils import make_mocked_request
+
+    from gateway.core.usage import CallRecord, Usage
+    from gateway.edge import telemetry
+    from gateway.observability import logs
+
+    handed: list[dict[str, Any]] = []
+    real = logs.hand_off_fields
+
+    def spy(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> None:
+        handed.append(dict(fields))
+        real(logger, msg, fields)
+
+    monkeypatch.setattr(logs, "hand_off_fields", spy)
+    access = logging.getLogger(ACCESS_LOGGER)
+    requests = []
+    for headers, record in (
+        ({"x-request-id": "plain-1"}, None),
+        ({}, CallRecord(request_id="r", api_key_id=uuid.uuid4(), subject_id=uuid.uuid4(), requested_model="m é",
+                        served_model='odd "served"', provider="sk-abcdefghijklmnop", usage=Usage(14, 9), ttft=0.0123456)),
+        ({}, CallRecord(request_id="r", api_key_id=None, subject_id=None, requested_model="Bearer abcdefghijkl x",
+                        outcome="cut", error_type="_StreamCut", retries=2, failovers=1)),
+    ):
+        request = make_mocked_request("POST", "/v1/chat/completions", headers=headers)
+        if record is not None:
+            request[telemetry.CALL_RECORD] = record
+        requests.append(request)
+    key_only = make_mocked_request("GET", "/v1/models")
+    key_only[telemetry.KEY_ID] = uuid.uuid4()
+    requests.append(key_only)
+    with json_logs() as (out, setup):
+        setup.add_secrets(["the-admin-token-value"])
+        for request in requests:
+            token = bind_request_id(telemetry.request_id_of(request)) if bound else None
+            try:
+                telemetry._access_line(request, "/v1/chat/completions", 200, 0.0123)
+                access.info("access", extra={"fields": handed[-1]})
+            finally:
+                if token is not None:
+                    reset_request_id(token)
+    lines = out.getvalue().splitlines()
+    assert len(handed) == len(requests) and len(lines) == 2 * len(requests)
+    untimed = [re.sub(r'^\{"ts":"[^"]*"', "", line) for line in lines]
+    for fast, standard in zip(untimed[::2], untimed[1::2], strict=True):
+        assert fast == standard
+    assert "abcdefghijklmnop" not in out.getvalue() and "abcdefghijkl x" not in out.getvalue()

@@ -324,3 +324,83 @@ async def test_metrics_token_guards_the_scrape(gateway_factory: Any, fake: FakeU
 
 async def test_metrics_need_no_token_when_none_is_set(gateway: Gateway) -> None:
     assert (await gateway.management.get("/metrics")).status == 200
+
+
+def _observe_call_reference(metrics: GatewayMetrics, record: CallRecord, now: float) -> None:
+    """GatewayMetrics.observe_call as it was before its series were remembered per call kind."""
+    from gateway.observability.metrics import CALL_OUTCOMES, OVERFLOW_LABEL, cost_of
+
+    m: Any = metrics
+    for policy, action, direction in record.guardrails:
+        m.guardrail_decisions.labels(policy, action, direction).inc()
+    if record.cache == "hit":
+        m._observe_hit(record)
+        return
+    requested = m.model_label(record.requested_model)
+    provider = record.provider or "none"
+    served = m.model_label(record.served_model or record.requested_model)
+    outcome = record.outcome if record.outcome in CALL_OUTCOMES else OVERFLOW_LABEL
+    m._upstream[provider, served, outcome].inc()
+    if record.upstream_started_at is not None:
+        waited = now - record.upstream_started_at if record.stream else record.upstream_time
+        m._upstream_duration[provider, served].observe(waited)
+        if record.received_at is not None:
+            if record.stream:
+                overhead = record.upstream_started_at - record.received_at
+            else:
+                overhead = (now - record.received_at) - record.upstream_time
+            m._overhead[record.stream].observe(max(0.0, overhead))
+    if record.ttft is not None:
+        m._ttft[provider, served].observe(record.ttft)
+        output = record.usage.completion_tokens
+        if output > 1 and record.latency > record.ttft:
+            m._tpot[provider, served].observe((record.latency - record.ttft) / (output - 1))
+    usage = record.usage
+    if usage.prompt_tokens or usage.completion_tokens:
+        m._tokens[requested, "input"].inc(usage.prompt_tokens)
+        m._tokens[requested, "output"].inc(usage.completion_tokens)
+        m._token_usage["input"].observe(usage.prompt_tokens)
+        m._token_usage["output"].observe(usage.completion_tokens)
+    cost = cost_of(record)
+    if cost:
+        m._cost[requested].inc(cost)
+    elif record.cost_source == "unpriced":
+        m.unpriced(record.requested_model)
+    if record.failovers:
+        m._failovers[requested].inc(record.failovers)
+
+
+@pytest.mark.parametrize("remembered", [4096, 3])
+def test_observe_call_exposes_what_it_exposed_before_byte_for_byte(monkeypatch: pytest.MonkeyPatch, remembered: int) -> None:
+    # Series remembered per kind of call (and, past the bound, worked out per call): the
+    # exposition, series order included, is the one the old listener's gave.
+    import random
+    from types import SimpleNamespace
+
+    from gateway.observability import metrics as metrics_module
+
+    now = 1000.0
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(monotonic=lambda: now))
+    monkeypatch.setattr(metrics_module, "MAX_CALL_SERIES", remembered)
+    monkeypatch.setattr(metrics_module, "MAX_MODEL_LABELS", 6)
+    rng = random.Random(9)
+    new, old = GatewayMetrics(process_metrics=False), GatewayMetrics(process_metrics=False)
+    new.model_label = BoundedLabel(6)
+    old.model_label = BoundedLabel(6)
+    models = [f"model-{i}" for i in range(9)]
+    for _ in range(3000):
+        usage = Usage(prompt_tokens=rng.choice([0, 0, 3, 14, 5000]), completion_tokens=rng.choice([0, 1, 9, 700]))
+        record = CallRecord(
+            request_id="r", api_key_id=None, subject_id=None, requested_model=rng.choice(models),
+            served_model=rng.choice([None, *models[:4]]), provider=rng.choice([None, "", "a", "b"]),
+            outcome=rng.choice(["ok", "ok", "provider_error", "cut", "weird"]), stream=rng.random() < 0.5,
+            usage=usage, ttft=rng.choice([None, 0.02, 0.3]), latency=rng.choice([0.001, 0.5, 2.0]),
+            failovers=rng.choice([0, 0, 1]), received_at=rng.choice([None, now - 0.01]),
+            upstream_started_at=rng.choice([None, now - 0.005]), upstream_time=rng.choice([0.0, 0.004]),
+            cost_usd=rng.choice([0.0, 1e-05, 0.25]), cost_source=rng.choice(["price", "unpriced", "none"]),
+            cache=rng.choice([None, None, None, "miss", "hit"]),
+            guardrails=rng.choice([(), (("pii", "redacted", "input"),)]),
+        )
+        new.observe_call(record)
+        _observe_call_reference(old, record, now)
+    assert new.render_now() == old.render_now()

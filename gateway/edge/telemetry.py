@@ -29,7 +29,7 @@ from aiohttp import web
 
 from gateway.core.errors import MetricsUnauthorized
 from gateway.core.usage import CallRecord
-from gateway.http.middleware import request_id_of
+from gateway.http.middleware import first_request_id, request_id_of
 from gateway.http.state import STATE, GatewayState
 from gateway.observability import logs
 from gateway.observability.metrics import CONTENT_TYPE, GatewayMetrics, InFlight, cost_of
@@ -84,9 +84,9 @@ def arrived(request: web.Request) -> Arrival:
     """A request arrived (the front's first step): timed, counted in flight, its request
     id bound for log lines. :func:`answered` must follow, on every path."""
     received = time.monotonic()
+    token = logs.bind_request_id(first_request_id(request))  # before anything is stored in it
     request[RECEIVED_AT] = received
     route = route_label(request)
-    token = logs.bind_request_id(request_id_of(request))
     metrics = request.app[STATE].metrics
     in_flight = metrics.in_flight(route)
     in_flight.inc()
@@ -139,7 +139,11 @@ def _access_line(request: web.Request, route: str, status: int, elapsed: float) 
         fields["retries"] = record.retries
         fields["failovers"] = record.failovers
         fields["error"] = record.error_type
-    logs.log_fields(access_log, "access", fields)
+    if logs.lines_made_here(access_log):
+        # As the line has them (request_id first, none of the head's keys): handed over as they are.
+        logs.hand_off_fields(access_log, "access", fields)
+    else:
+        logs.log_fields(access_log, "access", fields)
 
 
 def key_known(request: web.Request, api_key_id: uuid.UUID) -> None:

@@ -26,7 +26,7 @@ from gateway.http.errors import error_body_in, error_response, error_shape_for
 from gateway.http.state import STATE
 
 __all__ = [
-    "REQUEST_ID", "SecurityHeaders", "error_answer", "new_request_id", "request_id_of",
+    "REQUEST_ID", "SecurityHeaders", "error_answer", "first_request_id", "new_request_id", "request_id_of",
 ]
 
 log = logging.getLogger("gateway.http")
@@ -54,6 +54,18 @@ def request_id_of(request: web.Request) -> str:
         sent = request.headers.get(REQUEST_ID)
         rid = sent if sent is not None and _CLIENT_ID.fullmatch(sent) else new_request_id()
         request[_REQUEST_ID_KEY] = rid
+    return rid
+
+
+def first_request_id(request: web.Request) -> str:
+    """:func:`request_id_of` for a request's first step (the front's): one with nothing
+    stored in it yet has no id yet, known without a lookup that misses (``request.get``
+    of a missing key raises and catches a KeyError inside: ~0.4 µs)."""
+    if len(request):
+        return request_id_of(request)
+    sent = request.headers.get(REQUEST_ID)
+    rid = sent if sent is not None and _CLIENT_ID.fullmatch(sent) else new_request_id()
+    request[_REQUEST_ID_KEY] = rid
     return rid
 
 

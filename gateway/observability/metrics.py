@@ -248,6 +248,25 @@ class _Children(dict[Any, _C]):
         return bound
 
 
+#: Names of calls (requested model, provider, served model, outcome) whose series
+#: :meth:`GatewayMetrics.observe_call` remembers.
+MAX_CALL_SERIES = 4096
+
+
+class _CallSeries:
+    """The labels of one kind of finished call and the values it updates, bound as first
+    used (a series appears in the exposition only once a call has counted in it)."""
+
+    __slots__ = ("cost", "duration", "provider", "requested", "served", "tokens", "upstream")
+
+    def __init__(self, requested: str, provider: str, served: str, upstream: _LoopValue) -> None:
+        self.requested, self.provider, self.served = requested, provider, served
+        self.upstream = upstream
+        self.duration: _LoopHistogram | None = None
+        self.tokens: tuple[_LoopValue, _LoopValue] | None = None
+        self.cost: _LoopValue | None = None
+
+
 class _ActorView(Protocol):
     """What the scrape reads of an actor handle (``actors.runtime.ActorRef``)."""
 
@@ -445,6 +464,9 @@ class GatewayMetrics:
         self._tpot = _Children(self.time_per_output_token, _LoopHistogram)
         self._tokens = _Children(self.tokens, _loop_value)
         self._token_usage = {t: _LoopHistogram(self.token_usage.labels(t)) for t in ("input", "output")}
+        self._token_input, self._token_output = self._token_usage["input"], self._token_usage["output"]
+        #: A finished call's series by its names (:meth:`observe_call`).
+        self._calls: dict[tuple[Any, ...], _CallSeries] = {}
         self._cache_hit_tokens = {t: _loop_value(self.cache_hit_tokens.labels(t)) for t in ("input", "output")}
         self._similarity = {
             True: _LoopHistogram(self.cache_similarity_seen.labels("hit")),
@@ -575,14 +597,17 @@ class GatewayMetrics:
             self._observe_hit(record)
             return
         now = time.monotonic()
-        requested = self.model_label(record.requested_model)
-        provider = record.provider or "none"
-        served = self.model_label(record.served_model or record.requested_model)
-        outcome = record.outcome if record.outcome in CALL_OUTCOMES else OVERFLOW_LABEL
-        self._upstream[provider, served, outcome].inc()
+        names = (record.requested_model, record.provider, record.served_model, record.outcome)
+        series = self._calls.get(names)
+        if series is None:
+            series = self._call_series(record, names)
+        series.upstream.inc()
         if record.upstream_started_at is not None:
             waited = now - record.upstream_started_at if record.stream else record.upstream_time
-            self._upstream_duration[provider, served].observe(waited)
+            duration = series.duration
+            if duration is None:
+                duration = series.duration = self._upstream_duration[series.provider, series.served]
+            duration.observe(waited)
             if record.received_at is not None:
                 if record.stream:
                     overhead = record.upstream_started_at - record.received_at
@@ -590,23 +615,44 @@ class GatewayMetrics:
                     overhead = (now - record.received_at) - record.upstream_time
                 self._overhead[record.stream].observe(max(0.0, overhead))
         if record.ttft is not None:
-            self._ttft[provider, served].observe(record.ttft)
+            self._ttft[series.provider, series.served].observe(record.ttft)
             output = record.usage.completion_tokens
             if output > 1 and record.latency > record.ttft:
-                self._tpot[provider, served].observe((record.latency - record.ttft) / (output - 1))
+                self._tpot[series.provider, series.served].observe((record.latency - record.ttft) / (output - 1))
         usage = record.usage
         if usage.prompt_tokens or usage.completion_tokens:
-            self._tokens[requested, "input"].inc(usage.prompt_tokens)
-            self._tokens[requested, "output"].inc(usage.completion_tokens)
-            self._token_usage["input"].observe(usage.prompt_tokens)
-            self._token_usage["output"].observe(usage.completion_tokens)
+            tokens = series.tokens
+            if tokens is None:
+                tokens = series.tokens = (
+                    self._tokens[series.requested, "input"], self._tokens[series.requested, "output"])
+            tokens[0].inc(usage.prompt_tokens)
+            tokens[1].inc(usage.completion_tokens)
+            self._token_input.observe(usage.prompt_tokens)
+            self._token_output.observe(usage.completion_tokens)
         cost = cost_of(record)
         if cost:
-            self._cost[requested].inc(cost)
+            spend = series.cost
+            if spend is None:
+                spend = series.cost = self._cost[series.requested]
+            spend.inc(cost)
         elif record.cost_source == "unpriced":  # settled by gateway.billing.pricing before listeners
             self.unpriced(record.requested_model)
         if record.failovers:
-            self._failovers[requested].inc(record.failovers)
+            self._failovers[series.requested].inc(record.failovers)
+
+    def _call_series(self, record: CallRecord, names: tuple[Any, ...]) -> _CallSeries:
+        """The labels of a call's series (and, as they are first used, their values), by
+        its requested model, provider, served model and outcome; remembered for
+        :data:`MAX_CALL_SERIES` such names (clients choose model names: beyond, each call
+        works them out again, as every call used to)."""
+        outcome = record.outcome if record.outcome in CALL_OUTCOMES else OVERFLOW_LABEL
+        requested = self.model_label(record.requested_model)
+        provider = record.provider or "none"
+        served = self.model_label(record.served_model or record.requested_model)
+        series = _CallSeries(requested, provider, served, self._upstream[provider, served, outcome])
+        if len(self._calls) < MAX_CALL_SERIES:
+            self._calls[names] = series
+        return series
 
     def _observe_hit(self, record: CallRecord) -> None:
         """A call answered from the response cache: no provider, no spend, no upstream time.
