@@ -86,12 +86,14 @@ SCOPES = ("ip", "requests", "tokens", "concurrency")
 
 def reset_header(seconds: float) -> str:
     """A duration as OpenAI writes ``x-ratelimit-reset-*``: ``20ms``, ``1s``, ``6m0s``, ``1h2m3.5s``."""
-    ms = max(0, math.ceil(seconds * 1000))
+    ms = math.ceil(seconds * 1000)
     if ms < 1000:
-        return f"{ms}ms"
+        return f"{ms}ms" if ms > 0 else "0ms"
     hours, rest = divmod(ms, 3_600_000)
     minutes, rest = divmod(rest, 60_000)
-    secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    # Whole milliseconds: seconds with up to three decimals, trailing zeros dropped.
+    whole, fraction = divmod(rest, 1000)
+    secs = f"{whole}.{fraction:03d}".rstrip("0") if fraction else str(whole)
     if hours:
         return f"{hours}h{minutes}m{secs}s"
     if minutes:
@@ -1043,28 +1045,28 @@ _Reading = tuple[float, float, int, float, "int | None"]
 
 def _key_headers(
     requests: int, window_seconds: int, tokens_per_minute: int | None, allowed: bool, reading: _Reading
-) -> tuple[tuple[str, str], ...]:
+) -> dict[str, str]:
     """A key's ``x-ratelimit-*`` headers, from what its windows said (``reading``)."""
     now, requests_reset, requests_remaining, tokens_reset, tokens_remaining = reading
     reset_requests = requests_reset - now
-    headers: tuple[tuple[str, str], ...] = (
-        ("x-ratelimit-limit-requests", str(requests)),
-        ("x-ratelimit-remaining-requests", str(max(0, requests_remaining - (1 if allowed else 0)))),
+    if allowed:
+        requests_remaining -= 1
+    headers = {
+        "x-ratelimit-limit-requests": str(requests),
+        "x-ratelimit-remaining-requests": str(requests_remaining) if requests_remaining > 0 else "0",
         # An untouched window starts with this request and resets a whole window later.
-        ("x-ratelimit-reset-requests", reset_header(reset_requests if reset_requests > 0 else window_seconds)),
-    )
+        "x-ratelimit-reset-requests": reset_header(reset_requests if reset_requests > 0 else window_seconds),
+    }
     if tokens_remaining is not None:
-        headers += (
-            ("x-ratelimit-limit-tokens", str(tokens_per_minute)),
-            ("x-ratelimit-remaining-tokens", str(max(0, tokens_remaining))),
-            ("x-ratelimit-reset-tokens", reset_header(tokens_reset - now)),
-        )
+        headers["x-ratelimit-limit-tokens"] = str(tokens_per_minute)
+        headers["x-ratelimit-remaining-tokens"] = str(tokens_remaining) if tokens_remaining > 0 else "0"
+        headers["x-ratelimit-reset-tokens"] = reset_header(tokens_reset - now)
     return headers
 
 
 def _key_decision(msg: Acquire, scope: str | None, reading: _Reading, *, holds_slot: bool) -> Decision:
     """A key's answer: its ``x-ratelimit-*`` headers and, when refused, why and when to retry."""
-    headers = _key_headers(msg.requests, msg.window_seconds, msg.tokens_per_minute, scope is None, reading)
+    headers = tuple(_key_headers(msg.requests, msg.window_seconds, msg.tokens_per_minute, scope is None, reading).items())
     now, requests_reset, _, tokens_reset, _ = reading
     if scope is None:
         return Decision(allowed=True, headers=headers, holds_slot=holds_slot)
@@ -1166,9 +1168,9 @@ class Permit:
             limits, reading = self._limits, self._reading
             assert limits is not None and reading is not None
             policy = limits.policy
-            headers = self._headers = dict(_key_headers(
+            headers = self._headers = _key_headers(
                 policy.rate_limit_requests, policy.rate_limit_window_seconds, policy.tokens_per_minute, True, reading,
-            ))
+            )
         return headers
 
     def track(self, record: CallRecord) -> None:
