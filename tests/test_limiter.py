@@ -440,6 +440,54 @@ async def test_memory_windows_decide_exactly_as_the_library_does(strategy: str, 
 
 
 @pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
+async def test_memory_counters_match_the_library_on_random_walks(strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The memory counters write the library's arithmetic out inline (and keep their keys
+    # between calls): random operations, costs, periods and steps across window edges,
+    # against the library's strategy over its own MemoryStorage, must give the same
+    # answers and leave the same counters and expirations.
+    import random
+
+    from limits.aio.storage import MemoryStorage
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    for seed in range(40):
+        rnd = random.Random(seed)
+        clock[0] = 1_000_000.0 + rnd.random() * 1000
+        ours = Windows("memory", LocalStorage(), strategy)
+        reference = Windows("memory", MemoryStorage(), strategy)
+        items = [RateLimitItemPerSecond(rnd.randint(1, 8), rnd.choice([1, 3, 10, 60])) for _ in range(3)]
+        for step in range(200):
+            clock[0] += rnd.choice([0, 0.01, 0.3, 0.999, 1.7, 5, 11])
+            item, ids = rnd.choice(items), rnd.choice([("k",), ("j", "x")])
+            op, amount = rnd.choice(["hit", "hit", "stats", "add", "stats_and_hit"]), rnd.choice([1, 1, 2, 5, 9, -1, 0])
+            answers: list[Any] = []
+            for windows in (ours, reference):
+                if op == "hit":
+                    answers.append(await windows.hit(item, *ids, cost=max(amount, 1)))
+                elif op == "add":
+                    answers.append(await windows.add(item, *ids, amount=amount))
+                elif op == "stats":
+                    stats = await windows.stats(item, *ids)
+                    answers.append((round(stats.reset_time, 6), stats.remaining))
+                elif windows is ours:
+                    stats, hit = ours.stats_and_hit_now(item, *ids, cost=max(amount, 1), now=clock[0])
+                    answers.append((round(stats.reset_time, 6), stats.remaining, hit))
+                else:
+                    stats = await windows.stats(item, *ids)
+                    hit = await windows.hit(item, *ids, cost=max(amount, 1))
+                    answers.append((round(stats.reset_time, 6), stats.remaining, hit))
+            assert answers[0] == answers[1], (seed, step, op, amount)
+        ours_storage: Any = ours.storage
+        reference_storage: Any = reference.storage
+        ours_counts = {k: v for k, v in ours_storage.storage.items() if v}
+        assert ours_counts == {k: v for k, v in reference_storage.storage.items() if v}, seed
+        assert {k: ours_storage.expirations[k] for k in ours_counts} == {
+            k: reference_storage.expirations[k] for k in ours_counts
+        }, seed
+
+
+@pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
 async def test_a_memory_stats_and_hit_in_one_read_equal_stats_then_hit(
     strategy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
