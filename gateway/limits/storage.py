@@ -217,12 +217,20 @@ class MemoryCounter:
         raise NotImplementedError
 
     def _get(self, key: str, now: float) -> int:
-        """``MemoryStorage.get``: the counter, dropped once expired."""
+        """``MemoryStorage.get``: the counter, dropped once expired.
+
+        A key never counted is in none of the storage's dicts: every writer (the
+        library's ``incr``, these counters) sets a new counter's expiry with it, and every
+        remover (``get``, ``clear``, ``reset``, the sweep) drops the three together. So
+        when it has no expiry there is nothing to drop (the inline copies rely on it too).
+        """
         local = self.local
-        if local.expirations.get(key, 0) > now:
+        expires = local.expirations.get(key)
+        if expires is None:
+            return 0
+        if expires > now:
             return local.storage.get(key, 0)
-        # Expired or never counted (a sliding window's previous counter, mostly): forgotten,
-        # as the library's ``get`` does, which then reads 0.
+        # Expired: forgotten, as the library's ``get`` does, which then reads 0.
         local.storage.pop(key, None)
         local.expirations.pop(key, None)
         local.locks.pop(key, None)
@@ -233,7 +241,8 @@ class MemoryCounter:
         add ``amount``; a new counter expires ``expiry`` from now."""
         local = self.local
         count = current + amount
-        local._sweep_soon()
+        if time.monotonic() >= local._next_sweep:
+            local._sweep_soon()
         local.storage[key] = count
         if count == amount:
             local.expirations[key] = now + expiry
@@ -307,15 +316,21 @@ class SlidingCounter(MemoryCounter):
         local = self.local
         storage, expirations = local.storage, local.expirations
         key = self._previous_key
-        if expirations.get(key, 0) > now:
+        expires = expirations.get(key)
+        if expires is None:  # never counted (nothing to forget, see MemoryCounter._get)
+            previous_count = 0
+        elif expires > now:
             previous_count = storage.get(key, 0)
-        else:  # expired or never counted: forgotten, as the library's ``get`` does
+        else:  # expired: forgotten, as the library's ``get`` does
             previous_count = 0
             storage.pop(key, None)
             expirations.pop(key, None)
             local.locks.pop(key, None)
         key = self._current_key
-        if expirations.get(key, 0) > now:
+        expires = expirations.get(key)
+        if expires is None:
+            current_count = 0
+        elif expires > now:
             current_count = storage.get(key, 0)
         else:
             current_count = 0
@@ -336,7 +351,8 @@ class SlidingCounter(MemoryCounter):
         if cost is None or cost > amount or used + cost > amount:
             return reset, remaining, False
         # As the library: a new current counter lives two windows (it is next window's previous).
-        local._sweep_soon()
+        if time.monotonic() >= local._next_sweep:
+            local._sweep_soon()
         count = current_count + cost
         storage[key] = count
         if count == cost:
@@ -356,7 +372,10 @@ class SlidingCounter(MemoryCounter):
         local = self.local
         storage, expirations = local.storage, local.expirations
         key = self._previous_key
-        if expirations.get(key, 0) > now:
+        expires = expirations.get(key)
+        if expires is None:
+            previous_count = 0
+        elif expires > now:
             previous_count = storage.get(key, 0)
         else:
             previous_count = 0
@@ -364,7 +383,10 @@ class SlidingCounter(MemoryCounter):
             expirations.pop(key, None)
             local.locks.pop(key, None)
         key = self._current_key
-        if expirations.get(key, 0) > now:
+        expires = expirations.get(key)
+        if expires is None:
+            current_count = 0
+        elif expires > now:
             current_count = storage.get(key, 0)
         else:
             current_count = 0
@@ -378,7 +400,8 @@ class SlidingCounter(MemoryCounter):
             used = current_count
         if used + cost > amount:
             return False
-        local._sweep_soon()
+        if time.monotonic() >= local._next_sweep:
+            local._sweep_soon()
         count = current_count + cost
         storage[key] = count
         if count == cost:
