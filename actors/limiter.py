@@ -19,11 +19,13 @@ A rejected request consumes nothing: hits the library counted anyway are refunde
 concurrency slot taken alongside a rejected hit is given back.
 
 Memory decisions are plain function calls with no I/O (microseconds), made in the
-asking request's task (:meth:`LimiterActor.decide_now`) or the actor's loop. Remote
+asking request's task (:meth:`LimiterActor.decide_now`; for the handle's per-IP check,
+acquire and release without any message: ``check_ip_now``, ``acquire_now``, the
+Permit) or the actor's loop. Remote
 ones run as tasks; their storage commands of one event-loop turn share one Redis
 pipeline, and each result comes back on the internal lane, where state changes.
 
-Why one module of ~900 lines: one actor per module; the limiter's windows, token quotas,
+Why one module of ~1300 lines: one actor per module; the limiter's windows, token quotas,
 concurrency leases, storage outage fallback and the edge's handle share one state and one
 set of messages. The storages themselves live in gateway/limits/storage.py.
 """
@@ -44,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 from limits import RateLimitItem, parse
+from limits.util import WindowStats
 
 from actors.runtime import Actor, ActorRef
 from gateway.core.config import RateLimitSettings
@@ -52,15 +55,15 @@ from gateway.limits.storage import (
     STORAGE_ERRORS,
     KeyedItem,
     LocalStorage,
+    MemoryCounter,
     PostgresWindowStorage,
     RedisWindowStorage,
     Windows,
 )
 
 if TYPE_CHECKING:
-    from limits.util import WindowStats
-
     from actors.auth import VerifiedKey
+    from gateway.auth.keys import KeyPolicy
     from gateway.core.usage import CallRecord
 
 __all__ = [
@@ -83,12 +86,14 @@ SCOPES = ("ip", "requests", "tokens", "concurrency")
 
 def reset_header(seconds: float) -> str:
     """A duration as OpenAI writes ``x-ratelimit-reset-*``: ``20ms``, ``1s``, ``6m0s``, ``1h2m3.5s``."""
-    ms = max(0, math.ceil(seconds * 1000))
+    ms = math.ceil(seconds * 1000)
     if ms < 1000:
-        return f"{ms}ms"
+        return f"{ms}ms" if ms > 0 else "0ms"
     hours, rest = divmod(ms, 3_600_000)
     minutes, rest = divmod(rest, 60_000)
-    secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".")
+    # Whole milliseconds: seconds with up to three decimals, trailing zeros dropped.
+    whole, fraction = divmod(rest, 1000)
+    secs = f"{whole}.{fraction:03d}".rstrip("0") if fraction else str(whole)
     if hours:
         return f"{hours}h{minutes}m{secs}s"
     if minutes:
@@ -231,6 +236,26 @@ class _Store:
         return self.fallback if self.down and self.fallback is not None else self.primary
 
 
+#: Keys and addresses whose memory counters the limiter keeps (cleared when full).
+_MAX_KEPT = 4096
+
+
+class _KeyLimits:
+    """What the memory path keeps of one key under one policy: its counters."""
+
+    __slots__ = ("generation", "key_id", "policy", "requests", "tokens")
+
+    def __init__(
+        self, policy: KeyPolicy, key_id: str, generation: int, requests: MemoryCounter, tokens: MemoryCounter | None
+    ) -> None:
+        self.policy = policy
+        self.key_id = key_id
+        #: Of the windows the counters belong to (LimiterActor._generation when made).
+        self.generation = generation
+        self.requests = requests
+        self.tokens = tokens
+
+
 class LimiterActor(Actor[CheckIp | Acquire]):
     """Owns every window; see the module docstring."""
 
@@ -287,6 +312,16 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         #: Whether the per-IP flood guard is on (``per_ip: off`` turns it off).
         self.guards_ip = bool(self._ip_items or self._ip_all_items)
         self.description = ""
+        # The memory path (decided in the asking request's task, see decide_now), kept
+        # ready by _stores_changed whenever the windows in use change (start, outage,
+        # recovery): the windows per-IP checks and key decisions use when they are this
+        # process's memory (else None), and what each key and address needs of them.
+        self._generation = 0
+        self._ip_windows: Windows | None = None
+        self._key_windows: tuple[Windows, Windows] | None = None
+        self._keys: dict[uuid.UUID, _KeyLimits] = {}
+        self._ip_counters: dict[str, tuple[MemoryCounter, ...]] = {}
+        self._ip_counters_of: tuple[RateLimitItem, ...] = self._ip_all_items
 
     # -- lifecycle ----------------------------------------------------------------------
     async def on_start(self) -> None:
@@ -317,6 +352,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
             )
         else:
             self._requests = self._shared
+        self._stores_changed()
         self.description = self._describe()
         if self._redis is not None:
             try:
@@ -528,20 +564,122 @@ class LimiterActor(Actor[CheckIp | Acquire]):
             return _ALLOWED
         if msg.kind == "peek":
             return _failures_spent([windows.stats_now(item, "ipfail", ip, now=now) for item in self._ip_items], now)
-        items = self._ip_all_items
-        oks = [windows.hit_now(item, "ip", ip, now=now) for item in items]
-        if False not in oks:
-            return _ALLOWED
-        rejected = [windows.stats_now(item, "ip", ip, now=now) for item, ok in zip(items, oks, strict=True) if not ok]
-        for item, ok in zip(items, oks, strict=True):
-            if ok:
-                windows.add_now(item, "ip", ip, amount=-1, now=now)
-        return _ip_refusal(rejected, now)
+        return _ip_hits(self._ip_counters_in(windows, ip), now)
+
+    def _ip_counters_in(self, windows: Windows, ip: str) -> tuple[MemoryCounter, ...]:
+        """The memory counters of ``ip``'s ``per_ip_all`` windows (kept for the windows in use)."""
+        if windows is not self._ip_windows:
+            return tuple(windows.counter(item, "ip", ip) for item in self._ip_all_items)
+        cache = self._ip_counters
+        if self._ip_counters_of is not self._ip_all_items:  # a reload changed the guard
+            cache.clear()
+            self._ip_counters_of = self._ip_all_items
+        counters = cache.get(ip)
+        if counters is None:
+            if len(cache) >= _MAX_KEPT:
+                cache.clear()  # it only saves work: the counts are in the windows
+            counters = cache[ip] = tuple(windows.counter(item, "ip", ip) for item in self._ip_all_items)
+        return counters
+
+    def check_ip_now(self, ip: str) -> Decision | None:
+        """``CheckIp(ip)`` (kind ``any``) decided at once when its windows are in memory
+        (:meth:`decide_now` without the message); None: ask."""
+        windows = self._ip_windows
+        if windows is None or not self.running:
+            return None
+        return self._settle_ip(_ip_hits(self._ip_counters_in(windows, ip), time.time()))
 
     def _settle_ip(self, decision: Decision) -> Decision:
         if not decision.allowed:
             self._count("ip")
         return decision
+
+    # -- the memory path's state ---------------------------------------------------------
+    def _stores_changed(self) -> None:
+        """The windows in use changed (start, outage, recovery): what the memory path keeps
+        of the previous ones is dropped (a permit granted on them sees the generation move)."""
+        self._generation += 1
+        self._keys.clear()
+        self._ip_counters.clear()
+        shared, requests = self._shared, self._requests
+        if shared is None or requests is None:
+            self._ip_windows = self._key_windows = None
+            return
+        shared_windows, requests_windows = shared.current(), requests.current()
+        self._ip_windows = shared_windows if shared_windows.immediate else None
+        both = shared_windows.immediate and requests_windows.immediate
+        self._key_windows = (requests_windows, shared_windows) if both else None
+
+    def _key_limits(self, key: VerifiedKey) -> _KeyLimits:
+        """What a memory decision needs of ``key`` under its policy (kept per key id)."""
+        assert self._key_windows is not None
+        requests, shared = self._key_windows
+        policy = key.policy
+        key_id = str(key.api_key_id)
+        item = self._item(policy.rate_limit_requests, policy.rate_limit_window_seconds)
+        tpm = policy.tokens_per_minute
+        limits = _KeyLimits(
+            policy, key_id, self._generation, requests.counter(item, "req", key_id),
+            shared.counter(self._item(tpm, 60), "tok", key_id) if tpm else None,
+        )
+        if len(self._keys) >= _MAX_KEPT:
+            self._keys.clear()  # it only saves work: the counts are in the windows
+        self._keys[key.api_key_id] = limits
+        return limits
+
+    def acquire_now(self, handle: LimiterHandle, key: VerifiedKey) -> Permit | None:
+        """``key``'s Acquire decided at once when its windows are in memory: a Permit, or
+        RateLimited raised. None: ask (:meth:`decide_now`, without the message).
+
+        The same decision as ``decide_now(Acquire(...))`` (the same counters through
+        :func:`_key_now`); an admitted request's slot is freed and its tokens charged by
+        its Permit (:meth:`release_permit_now`), so it needs no permit id, no ``_held``
+        entry, and its headers are written only if the answer is prepared.
+        """
+        if self._key_windows is None or not self.running:
+            return None
+        limits = self._keys.get(key.api_key_id)
+        if limits is None or limits.policy is not key.policy:
+            limits = self._key_limits(key)
+        local_slot = None  # _reserve_local_slot: slots in memory, since the windows are
+        max_concurrent = limits.policy.max_concurrent
+        if max_concurrent is not None:
+            count = self._inflight.get(limits.key_id, 0)
+            if count >= max_concurrent:
+                local_slot = False
+            else:
+                self._inflight[limits.key_id] = count + 1
+                local_slot = True
+        scope, reading = _key_now(limits.requests, limits.tokens, local_slot, time.time())
+        if scope is None:
+            return Permit(handle, None, local_slot is True, limits, reading)
+        msg = handle._acquire_message(key)
+        decision = self._settle_key(msg, _key_decision(msg, scope, reading, holds_slot=bool(local_slot)), local_slot)
+        raise RateLimited(decision.message, retry_after=decision.retry_after, headers=dict(decision.headers))
+
+    def release_permit_now(self, handle: LimiterHandle, limits: _KeyLimits, local_slot: bool, tokens: int) -> None:
+        """The end of a request :meth:`acquire_now` admitted: free its slot, charge ``tokens``.
+
+        As :meth:`release_now` does for a Release of it; where that would post the
+        Release (the actor stopped, tokens to charge in a remote storage), this does too.
+        """
+        tpm = limits.policy.tokens_per_minute
+        charge = tokens > 0 and bool(tpm)
+        if not (local_slot or charge):
+            return
+        if self.running and (not charge or self._ip_windows is not None):
+            if local_slot:
+                self._free_local(limits.key_id)
+            if charge:
+                if limits.generation == self._generation and limits.tokens is not None:
+                    limits.tokens.add(time.time(), tokens)
+                else:  # the windows changed since the grant: charge the ones in use now
+                    self._charge(Release("", limits.key_id, tpm, tokens))
+            return
+        msg = handle._release_message(limits.key_id, tpm, tokens if charge else 0)
+        if local_slot:
+            self._held[msg.permit_id] = _Held(limits.key_id, "local")  # for the actor to free
+        handle._post(msg)
 
     # -- per key --------------------------------------------------------------------------
     def _item(self, amount: int, seconds: int) -> RateLimitItem:
@@ -617,14 +755,18 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         slot_ok = bool(shared_results[-1]) if slots is not None and not full else None
 
         now = time.time()
-        scope = _refused_scope(full, hit_ok, slot_ok, tstats)
+        scope = _refused_scope(full, hit_ok, slot_ok, tstats.remaining if tstats is not None else None)
         if scope is not None:
             # A rejected request consumes nothing: give back what was taken alongside.
             if hit_ok:
                 await _quietly(requests.add(rpm, *rid, amount=-1))
             if slot_ok and slots is not None:
                 await _quietly(slots.slot_release(f"conc/{msg.api_key_id}", msg.permit_id))
-        decision = _key_decision(msg, scope, rstats, tstats, holds_slot=bool(slot_ok or local_slot), now=now)
+        reading = (
+            now, rstats.reset_time, rstats.remaining,
+            tstats.reset_time if tstats is not None else 0.0, tstats.remaining if tstats is not None else None,
+        )
+        decision = _key_decision(msg, scope, reading, holds_slot=bool(slot_ok or local_slot))
         return _Outcome(decision, redis_slot=bool(slot_ok) and scope is None)
 
     def _decide_key_now(self, requests: Windows, shared: Windows, msg: Acquire, local_slot: bool | None) -> Decision:
@@ -632,21 +774,11 @@ class LimiterActor(Actor[CheckIp | Acquire]):
 
         Concurrency is then the count in memory (``local_slot``), never a Redis lease.
         """
-        now = time.time()
-        rpm = self._item(msg.requests, msg.window_seconds)
         key_id = msg.api_key_id
-        full = local_slot is False  # concurrency already refused: hit nothing
-        if full:
-            rstats, hit_ok = requests.stats_now(rpm, "req", key_id, now=now), False
-        else:
-            rstats, hit_ok = requests.stats_and_hit_now(rpm, "req", key_id, now=now)
-        tstats = None
-        if msg.tokens_per_minute:
-            tstats = shared.stats_now(self._item(msg.tokens_per_minute, 60), "tok", key_id, now=now)
-        scope = _refused_scope(full, hit_ok, None, tstats)
-        if scope is not None and hit_ok:
-            requests.add_now(rpm, "req", key_id, amount=-1, now=now)  # a rejected request consumes nothing
-        return _key_decision(msg, scope, rstats, tstats, holds_slot=bool(local_slot), now=now)
+        counter = requests.counter(self._item(msg.requests, msg.window_seconds), "req", key_id)
+        tokens = shared.counter(self._item(msg.tokens_per_minute, 60), "tok", key_id) if msg.tokens_per_minute else None
+        scope, reading = _key_now(counter, tokens, local_slot, time.time())
+        return _key_decision(msg, scope, reading, holds_slot=bool(local_slot))
 
     def _settle_key(
         self, msg: Acquire, decision: Decision, local_slot: bool | None, redis_slot: bool = False
@@ -727,6 +859,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         if store is None or store.down or store.fallback is None:
             return
         store.down = True
+        self._stores_changed()
         self._degraded[store.name] = (
             f"{store.name} unreachable ({type(error).__name__}); limits are enforced by each replica in its own memory"
         )
@@ -749,6 +882,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         for store in self._stores():
             if store.name == name and store.down:
                 store.down = False
+                self._stores_changed()
                 log.warning("rate-limit storage %s answers again: shared limits restored", name)
         self._degraded.pop(name, None)
         if name == "redis" and self._redis is not None and self._unreleased:
@@ -840,6 +974,43 @@ def _ip_refusal(rejected: list[WindowStats], now: float) -> Decision:
     )
 
 
+def _ip_hits(counters: tuple[MemoryCounter, ...], now: float) -> Decision:
+    """One request from an address on its memory windows (``per_ip_all``): hit each; when
+    one refuses, the hits the others took are given back (a rejection consumes nothing)."""
+    refused = False
+    oks = []
+    for counter in counters:
+        ok = counter.hit(now)
+        oks.append(ok)
+        refused = refused or not ok
+    if not refused:
+        return _ALLOWED
+    rejected = [WindowStats(*counter.stats(now)) for counter, ok in zip(counters, oks, strict=True) if not ok]
+    for counter, ok in zip(counters, oks, strict=True):
+        if ok:
+            counter.add(now, -1)
+    return _ip_refusal(rejected, now)
+
+
+def _key_now(
+    requests: MemoryCounter, tokens: MemoryCounter | None, local_slot: bool | None, now: float
+) -> tuple[str | None, _Reading]:
+    """One request of a key on its memory windows (``requests``, and ``tokens`` if it has
+    a token limit), its concurrency already settled (``local_slot``, see
+    :meth:`LimiterActor._reserve_local_slot`): which limit refuses it (None: admitted) and
+    what the windows said. The same operations in the same order as ``_decide_key``."""
+    if local_slot is False:  # concurrency already refused: hit nothing
+        requests_reset, requests_remaining = requests.stats(now)
+        hit_ok = False
+    else:
+        requests_reset, requests_remaining, hit_ok = requests.stats_and_hit(now)
+    tokens_reset, tokens_remaining = tokens.stats(now) if tokens is not None else (0.0, None)
+    scope = _refused_scope(local_slot is False, hit_ok, None, tokens_remaining)
+    if scope is not None and hit_ok:
+        requests.add(now, -1)  # a rejected request consumes nothing
+    return scope, (now, requests_reset, requests_remaining, tokens_reset, tokens_remaining)
+
+
 def _failures_spent(stats: list[WindowStats], now: float) -> Decision:
     """Refused while an address's allowance of failed attempts is spent (nothing counted)."""
     spent = [s for s in stats if s.remaining <= 0]
@@ -851,49 +1022,62 @@ def _failures_spent(stats: list[WindowStats], now: float) -> Decision:
     )
 
 
-def _refused_scope(full: bool, hit_ok: bool, slot_ok: bool | None, tstats: WindowStats | None) -> str | None:
+def _refused_scope(full: bool, hit_ok: bool, slot_ok: bool | None, tokens_remaining: int | None) -> str | None:
     """Which of a key's limits refuses its request (None: admitted).
 
     ``full``: no concurrency slot was free (nothing was hit); ``slot_ok``: the Redis
-    lease, if one was asked for.
+    lease, if one was asked for; ``tokens_remaining``: None when the key has no token limit.
     """
     if full or slot_ok is False:
         return "concurrency" if hit_ok or full else "requests"
     if not hit_ok:
         return "requests"
-    if tstats is not None and tstats.remaining < 1:
+    if tokens_remaining is not None and tokens_remaining < 1:
         return "tokens"
     return None
 
 
-def _key_decision(
-    msg: Acquire, scope: str | None, rstats: WindowStats, tstats: WindowStats | None, *, holds_slot: bool, now: float
-) -> Decision:
-    """A key's answer: its ``x-ratelimit-*`` headers and, when refused, why and when to retry."""
-    reset_requests = rstats.reset_time - now
-    headers: tuple[tuple[str, str], ...] = (
-        ("x-ratelimit-limit-requests", str(msg.requests)),
-        ("x-ratelimit-remaining-requests", str(max(0, rstats.remaining - (1 if scope is None else 0)))),
+#: What a key's windows said: (now, requests reset time, requests remaining, tokens reset
+#: time, tokens remaining), the remaining counts read before this request's hit, and the
+#: tokens None for a key without a token limit. Enough for the answer and its headers.
+_Reading = tuple[float, float, int, float, "int | None"]
+
+
+def _key_headers(
+    requests: int, window_seconds: int, tokens_per_minute: int | None, allowed: bool, reading: _Reading
+) -> dict[str, str]:
+    """A key's ``x-ratelimit-*`` headers, from what its windows said (``reading``)."""
+    now, requests_reset, requests_remaining, tokens_reset, tokens_remaining = reading
+    reset_requests = requests_reset - now
+    if allowed:
+        requests_remaining -= 1
+    headers = {
+        "x-ratelimit-limit-requests": str(requests),
+        "x-ratelimit-remaining-requests": str(requests_remaining) if requests_remaining > 0 else "0",
         # An untouched window starts with this request and resets a whole window later.
-        ("x-ratelimit-reset-requests", reset_header(reset_requests if reset_requests > 0 else msg.window_seconds)),
-    )
-    if tstats is not None:
-        headers += (
-            ("x-ratelimit-limit-tokens", str(msg.tokens_per_minute)),
-            ("x-ratelimit-remaining-tokens", str(max(0, tstats.remaining))),
-            ("x-ratelimit-reset-tokens", reset_header(tstats.reset_time - now)),
-        )
+        "x-ratelimit-reset-requests": reset_header(reset_requests if reset_requests > 0 else window_seconds),
+    }
+    if tokens_remaining is not None:
+        headers["x-ratelimit-limit-tokens"] = str(tokens_per_minute)
+        headers["x-ratelimit-remaining-tokens"] = str(tokens_remaining) if tokens_remaining > 0 else "0"
+        headers["x-ratelimit-reset-tokens"] = reset_header(tokens_reset - now)
+    return headers
+
+
+def _key_decision(msg: Acquire, scope: str | None, reading: _Reading, *, holds_slot: bool) -> Decision:
+    """A key's answer: its ``x-ratelimit-*`` headers and, when refused, why and when to retry."""
+    headers = tuple(_key_headers(msg.requests, msg.window_seconds, msg.tokens_per_minute, scope is None, reading).items())
+    now, requests_reset, _, tokens_reset, _ = reading
     if scope is None:
         return Decision(allowed=True, headers=headers, holds_slot=holds_slot)
     if scope == "requests":
         return Decision(
-            False, scope, rstats.reset_time - now,
+            False, scope, requests_reset - now,
             f"rate limit reached for requests: {msg.requests} per {msg.window_seconds}s", headers,
         )
     if scope == "tokens":
-        assert tstats is not None
         return Decision(
-            False, scope, tstats.reset_time - now,
+            False, scope, tokens_reset - now,
             f"rate limit reached for tokens: {msg.tokens_per_minute} per minute", headers,
         )
     return Decision(
@@ -954,18 +1138,40 @@ class Permit:
 
     Release frees the concurrency slot and charges the call's real token usage (from
     the tracked :class:`CallRecord`, read at release, so a stream's final usage counts).
+    ``headers`` (``x-ratelimit-*``) are written when first read, from what the key's
+    windows said at admission.
     """
 
-    __slots__ = ("_handle", "_msg", "_record", "_released", "_tokens", "headers", "holds_slot")
+    __slots__ = ("_handle", "_headers", "_limits", "_msg", "_reading", "_record", "_released", "_tokens", "holds_slot")
 
-    def __init__(self, handle: LimiterHandle, msg: Acquire, decision: Decision) -> None:
+    def __init__(
+        self, handle: LimiterHandle, msg: Acquire | None, holds_slot: bool,
+        limits: _KeyLimits | None = None, reading: _Reading | None = None, headers: dict[str, str] | None = None,
+    ) -> None:
+        """Granted through an Acquire (``msg``, with the answer's ``headers``), or at once on
+        memory windows (:meth:`LimiterActor.acquire_now`: the key's ``limits`` and ``reading``)."""
         self._handle = handle
         self._msg = msg
+        self._limits = limits
+        self._reading = reading
+        self._headers = headers
         self._record: CallRecord | None = None
         self._tokens = 0
         self._released = False
-        self.headers: dict[str, str] = dict(decision.headers)
-        self.holds_slot = decision.holds_slot
+        self.holds_slot = holds_slot
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The answer's ``x-ratelimit-*`` headers."""
+        headers = self._headers
+        if headers is None:
+            limits, reading = self._limits, self._reading
+            assert limits is not None and reading is not None
+            policy = limits.policy
+            headers = self._headers = _key_headers(
+                policy.rate_limit_requests, policy.rate_limit_window_seconds, policy.tokens_per_minute, True, reading,
+            )
+        return headers
 
     def track(self, record: CallRecord) -> None:
         """Charge ``record.usage`` at release (chat calls)."""
@@ -985,9 +1191,13 @@ class Permit:
             return
         self._released = True
         tokens = self._tokens + (self._record.usage.total_tokens if self._record is not None else 0)
-        charge = tokens > 0 and self._msg.tokens_per_minute is not None
+        if self._limits is not None:
+            self._handle._actor.release_permit_now(self._handle, self._limits, self.holds_slot, tokens)
+            return
+        msg = self._msg
+        assert msg is not None
+        charge = tokens > 0 and msg.tokens_per_minute is not None
         if self.holds_slot or charge:
-            msg = self._msg
             self._handle._post(Release(msg.permit_id, msg.api_key_id, msg.tokens_per_minute, tokens if charge else 0))
 
 
@@ -1015,26 +1225,24 @@ class LimiterHandle:
 
     async def check_ip(self, ip: str, kind: str = "any") -> None:
         """The per-address guard (see :class:`CheckIp` for ``kind``); RateLimited when refused."""
-        if not self._actor.guards_ip:
+        actor = self._actor
+        if not actor.guards_ip:
             return
-        msg = CheckIp(ip, kind)
-        decision = self._actor.decide_now(msg)
+        decision = actor.check_ip_now(ip) if kind == "any" else None
         if decision is None:
-            decision = await self._ref.ask(msg)
+            msg = CheckIp(ip, kind)
+            decision = actor.decide_now(msg)
+            if decision is None:
+                decision = await self._ref.ask(msg)
         if not decision.allowed:
             raise RateLimited(decision.message, retry_after=decision.retry_after)
 
     async def acquire(self, key: VerifiedKey) -> Permit:
         """Admit one request of ``key``; the Permit must be released when it ends."""
-        policy = key.policy
-        msg = Acquire(
-            permit_id=f"{self._replica}:{next(self._ids)}",
-            api_key_id=str(key.api_key_id),
-            requests=policy.rate_limit_requests,
-            window_seconds=policy.rate_limit_window_seconds,
-            tokens_per_minute=policy.tokens_per_minute,
-            max_concurrent=policy.max_concurrent,
-        )
+        permit = self._actor.acquire_now(self, key)  # memory windows: decided here, at once
+        if permit is not None:
+            return permit
+        msg = self._acquire_message(key)
         now = self._actor.decide_now(msg)
         if now is not None:
             decision = now
@@ -1047,7 +1255,24 @@ class LimiterHandle:
                 raise
         if not decision.allowed:
             raise RateLimited(decision.message, retry_after=decision.retry_after, headers=dict(decision.headers))
-        return Permit(self, msg, decision)
+        return Permit(self, msg, decision.holds_slot, headers=dict(decision.headers))
+
+    def _acquire_message(self, key: VerifiedKey) -> Acquire:
+        policy = key.policy
+        return Acquire(
+            permit_id=self._permit_id(),
+            api_key_id=str(key.api_key_id),
+            requests=policy.rate_limit_requests,
+            window_seconds=policy.rate_limit_window_seconds,
+            tokens_per_minute=policy.tokens_per_minute,
+            max_concurrent=policy.max_concurrent,
+        )
+
+    def _release_message(self, api_key_id: str, tokens_per_minute: int | None, tokens: int) -> Release:
+        return Release(self._permit_id(), api_key_id, tokens_per_minute, tokens)
+
+    def _permit_id(self) -> str:
+        return f"{self._replica}:{next(self._ids)}"
 
     def _post(self, msg: Release) -> None:
         # Releases take the internal lane: unbounded and served first, because a shed

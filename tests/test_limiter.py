@@ -440,6 +440,54 @@ async def test_memory_windows_decide_exactly_as_the_library_does(strategy: str, 
 
 
 @pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
+async def test_memory_counters_match_the_library_on_random_walks(strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The memory counters write the library's arithmetic out inline (and keep their keys
+    # between calls): random operations, costs, periods and steps across window edges,
+    # against the library's strategy over its own MemoryStorage, must give the same
+    # answers and leave the same counters and expirations.
+    import random
+
+    from limits.aio.storage import MemoryStorage
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    for seed in range(40):
+        rnd = random.Random(seed)
+        clock[0] = 1_000_000.0 + rnd.random() * 1000
+        ours = Windows("memory", LocalStorage(), strategy)
+        reference = Windows("memory", MemoryStorage(), strategy)
+        items = [RateLimitItemPerSecond(rnd.randint(1, 8), rnd.choice([1, 3, 10, 60])) for _ in range(3)]
+        for step in range(200):
+            clock[0] += rnd.choice([0, 0.01, 0.3, 0.999, 1.7, 5, 11])
+            item, ids = rnd.choice(items), rnd.choice([("k",), ("j", "x")])
+            op, amount = rnd.choice(["hit", "hit", "stats", "add", "stats_and_hit"]), rnd.choice([1, 1, 2, 5, 9, -1, 0])
+            answers: list[Any] = []
+            for windows in (ours, reference):
+                if op == "hit":
+                    answers.append(await windows.hit(item, *ids, cost=max(amount, 1)))
+                elif op == "add":
+                    answers.append(await windows.add(item, *ids, amount=amount))
+                elif op == "stats":
+                    stats = await windows.stats(item, *ids)
+                    answers.append((round(stats.reset_time, 6), stats.remaining))
+                elif windows is ours:
+                    stats, hit = ours.stats_and_hit_now(item, *ids, cost=max(amount, 1), now=clock[0])
+                    answers.append((round(stats.reset_time, 6), stats.remaining, hit))
+                else:
+                    stats = await windows.stats(item, *ids)
+                    hit = await windows.hit(item, *ids, cost=max(amount, 1))
+                    answers.append((round(stats.reset_time, 6), stats.remaining, hit))
+            assert answers[0] == answers[1], (seed, step, op, amount)
+        ours_storage: Any = ours.storage
+        reference_storage: Any = reference.storage
+        ours_counts = {k: v for k, v in ours_storage.storage.items() if v}
+        assert ours_counts == {k: v for k, v in reference_storage.storage.items() if v}, seed
+        assert {k: ours_storage.expirations[k] for k in ours_counts} == {
+            k: reference_storage.expirations[k] for k in ours_counts
+        }, seed
+
+
+@pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
 async def test_a_memory_stats_and_hit_in_one_read_equal_stats_then_hit(
     strategy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -529,6 +577,70 @@ async def test_memory_decisions_in_the_task_match_the_actors_coroutines(
     finally:
         for actor in (twin, coroutines):
             await actor.on_stop()
+
+
+@pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
+async def test_the_handles_memory_path_answers_as_the_message_path_does(
+    strategy: Literal["sliding-window", "fixed-window"], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On memory windows the handle decides without a message (acquire_now, check_ip_now,
+    # a Permit that writes its headers when read and releases itself). A handle whose
+    # actor has that path turned off goes through the messages (decide_now, Release) as
+    # before: at the same (frozen) times both must give the same answers, headers,
+    # Retry-After, slots and rejections, and leave the same counters.
+    clock = [1_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    settings = RateLimitSettings(
+        storage="memory://", strategy=strategy, per_ip="2/minute", per_ip_burst=1, per_ip_all="3/minute"
+    )
+    supervisors = [Supervisor(), Supervisor()]
+    fast, messages = LimiterActor(settings), LimiterActor(settings)
+    handles = [LimiterHandle(fast, await supervisors[0].start(fast)),
+               LimiterHandle(messages, await supervisors[1].start(messages))]
+    monkeypatch.setattr(messages, "acquire_now", lambda handle, key: None)
+    monkeypatch.setattr(messages, "check_ip_now", lambda ip: None)
+    policy = KeyPolicy(rate_limit_requests=4, rate_limit_window_seconds=60, tokens_per_minute=300, max_concurrent=1)
+    key = VerifiedKey(api_key_id=uuid.uuid4(), subject_id=uuid.uuid4(), name="k", key_prefix="llmg_k",
+                      key_hash=b"\0" * 32, policy=policy, expires_at=None)
+    held: list[list[Permit]] = [[], []]
+    try:
+        for step in range(40):
+            clock[0] = 1_000_000.0 + step * 4.5
+            for kind in ("any", "any", "peek", "failed"):
+                ip = f"10.0.0.{step % 3 // 2}"
+                ip_answers = []
+                for handle in handles:
+                    try:
+                        await handle.check_ip(ip, kind)
+                        ip_answers.append(None)
+                    except RateLimited as exc:
+                        ip_answers.append((exc.message, exc.retry_after, exc.headers))
+                assert ip_answers[0] == ip_answers[1], (step, kind)
+            answers = []
+            for side, handle in enumerate(handles):
+                try:
+                    permit = await handle.acquire(key)
+                except RateLimited as exc:
+                    answers.append((exc.message, exc.retry_after, exc.headers))
+                else:
+                    held[side].append(permit)
+                    answers.append((dict(permit.headers), permit.holds_slot))
+                if step % 5 in (1, 3):  # between, a request stays in flight: concurrency refuses
+                    for permit in held[side]:
+                        permit.charge(400 if 20 <= step < 25 else 40)
+                        permit.release()
+                        permit.release()  # a second release changes nothing
+                    held[side].clear()
+            assert answers[0] == answers[1], step
+            assert dict(fast.inflight) == dict(messages.inflight), step
+        assert fast.rejections == messages.rejections
+        assert set(fast.rejections) == {"ip", "requests", "tokens", "concurrency"}
+        for scope in ("_shared", "_requests"):
+            ours, theirs = getattr(fast, scope).current().storage, getattr(messages, scope).current().storage
+            assert ours.storage == theirs.storage and ours.expirations == theirs.expirations
+    finally:
+        for supervisor in supervisors:
+            await supervisor.stop()
 
 
 def test_the_limits_internals_the_memory_storage_overrides_still_exist() -> None:

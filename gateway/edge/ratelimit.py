@@ -12,7 +12,8 @@
   (``rate_limits.trusted_proxies``) in ``X-Forwarded-For`` / ``Forwarded``; IPv6
   clients are keyed by their /64 (one host usually holds a whole /64).
 * :func:`admit` is what a handler calls right after authentication: the key's limits,
-  a 429 when one is hit, and the ``x-ratelimit-*`` headers for whatever answer follows.
+  a 429 when one is hit, and the ``x-ratelimit-*`` headers for whatever answer follows
+  (an admitted request's are written from its Permit when the answer is prepared).
 * :func:`put_ratelimit_headers` (``on_response_prepare``) puts those headers on every
   answer of an authenticated request: errors after auth and streams too, since a
   stream's headers are sent when it is prepared.
@@ -132,8 +133,7 @@ async def admit(request: web.Request, key: VerifiedKey) -> Permit:
     except RateLimited as exc:
         request[_HEADERS] = exc.headers
         raise
-    request[_HEADERS] = permit.headers
-    request[PERMIT] = permit
+    request[PERMIT] = permit  # its headers are written when the answer is prepared
     return permit
 
 
@@ -197,6 +197,9 @@ def put_ratelimit_headers(request: web.Request, response: web.StreamResponse) ->
     """The ``x-ratelimit-*`` headers :func:`admit` computed, on whatever answer follows
     (and their ``anthropic-ratelimit-*`` spelling on the Messages routes)."""
     headers = request.get(_HEADERS)
+    if headers is None:
+        permit = request.get(PERMIT)
+        headers = permit.headers if permit is not None else None
     if headers:
         response.headers.update(headers)
         if error_shape_for(request.path) == "anthropic":

@@ -15,7 +15,9 @@ this module gives them three storages and one small wrapper:
 * :class:`Windows`: a strategy over a storage, with the operations the limiter needs:
   ``hit`` (never consuming on rejection), ``stats``, and ``add`` (an unconditional
   charge or refund, for token usage known only after the call); on memory also as
-  plain calls (``hit_now``, ``stats_now``, ``stats_and_hit_now``, ``add_now``).
+  plain calls (``hit_now``, ``stats_now``, ``stats_and_hit_now``, ``add_now``), made on
+  a :class:`MemoryCounter` (``Windows.counter``): one key's window with its keys built
+  once, which the limiter's memory path keeps per API key and per address.
 
 Library internals: :class:`LocalStorage` overrides two name-mangled private methods of
 ``limits``' ``MemoryStorage`` and :func:`_without_error_wrappers` unwraps its per-class
@@ -24,7 +26,7 @@ error wrappers. Neither is public API, so ``limits`` is pinned to the tested maj
 inside that range renames what these rely on (the override would then be silently dead:
 a sweep per event-loop turn, under the key's lock).
 
-Why one module of ~560 lines: the three storages (memory, Redis, PostgreSQL) implement one
+Why one module of ~850 lines: the three storages (memory, Redis, PostgreSQL) implement one
 interface and share the window arithmetic; side by side they are easy to keep in step.
 """
 
@@ -126,7 +128,7 @@ class LocalStorage(MemoryStorage):
     event-loop turn. This subclass sweeps at most once per ``SWEEP_SECONDS``; reads
     already ignore expired entries, so only memory use depends on the sweep.
 
-    The limiter decides memory windows with the synchronous ``*_now`` twins below. The
+    The limiter decides memory windows with :class:`MemoryCounter` (below). The
     library's own coroutines (tests, ``clear``, ``reset``) never suspend mid-operation
     either, so no decision sees half of one: uncontended locks never wait, and
     this sweep holds no lock across an ``await``, unlike the library's, which bisects
@@ -152,67 +154,8 @@ class LocalStorage(MemoryStorage):
         if not self.timer or self.timer.done():
             self.timer = asyncio.create_task(self._MemoryStorage__expire_events())
 
-    # -- the same operations without a coroutine or a lock, for :class:`Windows` ----------
-    # The library's versions await four to six coroutines per hit (the strategy, the
-    # storage's acquire, its window read, two gets, incr, the sweep scheduling, the key's
-    # lock) to do a few dict operations: most of a memory decision's cost. These do the
-    # same arithmetic on the same dicts and keys, so the library's own methods (tests,
-    # ``clear``, ``reset``) still see every count; they never suspend, so no lock is needed
-    # (asyncio runs one callback at a time).
-    def get_now(self, key: str, now: float) -> int:
-        """``MemoryStorage.get``: the counter, dropped once expired."""
-        if self.expirations.get(key, 0) > now:
-            return self.storage.get(key, 0)
-        # Expired or never counted (a sliding window's previous counter, mostly): forgotten,
-        # as the library's ``get`` does, which then reads 0.
-        self.storage.pop(key, None)
-        self.expirations.pop(key, None)
-        self.locks.pop(key, None)
-        return 0
-
-    def incr_now(self, key: str, expiry: float, amount: int, now: float, current: int | None = None) -> int:
-        """``MemoryStorage.incr``: add ``amount``; a new counter expires ``expiry`` from now.
-
-        ``current``: the counter as :meth:`get_now` read it at this same ``now``, when the
-        caller just did (reading it again would find the same value).
-        """
-        count = (self.get_now(key, now) if current is None else current) + amount
-        self._sweep_soon()
-        self.storage[key] = count
-        if count == amount:
-            self.expirations[key] = now + expiry
-        return count
-
-    def sliding_window_now(self, key: str, expiry: int, now: float) -> tuple[int, float, int, float]:
-        """``get_sliding_window``: (previous count, its ttl, current count, its ttl)."""
-        return self._sliding_window_at(key, f"{key}/{int(now / expiry)}", expiry, now)
-
-    def _sliding_window_at(self, key: str, current_key: str, expiry: int, now: float) -> tuple[int, float, int, float]:
-        """:meth:`sliding_window_now`, the current counter's key (``{key}/{window}``) given."""
-        previous_count = self.get_now(f"{key}/{int((now - expiry) / expiry)}", now)
-        current_count = self.get_now(current_key, now)
-        previous_ttl = 0.0 if previous_count == 0 else (1 - (((now - expiry) / expiry) % 1)) * expiry
-        current_ttl = (1 - ((now / expiry) % 1)) * expiry + expiry
-        return previous_count, previous_ttl, current_count, current_ttl
-
-    def acquire_sliding_now(
-        self, key: str, limit: int, expiry: int, amount: int, now: float,
-        window: tuple[int, float, int, float] | None = None,
-    ) -> bool:
-        """``acquire_sliding_window_entry``: take ``amount`` if the weighted count allows it.
-
-        ``window``: :meth:`sliding_window_now` of this key at this same ``now``, when the
-        caller just read it (a window's stats and its hit read it once).
-        """
-        if amount > limit:
-            return False
-        current_key = f"{key}/{int(now / expiry)}"
-        previous_count, previous_ttl, current_count, _ = window or self._sliding_window_at(key, current_key, expiry, now)
-        if math.floor(previous_count * previous_ttl / expiry + current_count) + amount > limit:
-            return False
-        # As the library: a new current counter lives two windows (it is next window's previous).
-        self.incr_now(current_key, 2 * expiry, amount, now, current=current_count)
-        return True
+    # The limiter's memory decisions do not go through the library's coroutines: see
+    # :class:`MemoryCounter` below, which does the same arithmetic on these same dicts.
 
     # Replaces the library's sweep (same effect, no thread hop, no lock held while waiting).
     async def _MemoryStorage__expire_events(self) -> None:
@@ -231,6 +174,249 @@ class LocalStorage(MemoryStorage):
                 self.expirations.pop(key, None)
                 self.locks.pop(key, None)
 
+
+# --------------------------------------------------------------------------- memory counters
+# The library's memory operations await four to six coroutines per hit (the strategy, the
+# storage's acquire, its window read, two gets, incr, the sweep scheduling, the key's
+# lock) to do a few dict operations: most of a memory decision's cost. A MemoryCounter
+# does the same arithmetic on the same dicts and keys, so the library's own methods
+# (tests, ``clear``, ``reset``) still see every count; it never suspends, so no lock is
+# needed (asyncio runs one callback at a time). It is one window of one identifier tuple
+# (one ``limits`` key), with what every operation on it needs worked out once: the key
+# (and, for a sliding window, its two counters' keys, rebuilt when the window moves on),
+# the limit and the period. ``tests/test_limiter.py`` checks every operation against the
+# library's own strategy over its own MemoryStorage, at frozen times across window edges.
+class MemoryCounter:
+    """One window of one key in a :class:`LocalStorage` (the base of the two strategies).
+
+    Every operation takes ``now`` (``time.time()``, read once per decision by the caller)
+    and answers with plain numbers: ``stats`` → ``(reset_time, remaining)``,
+    ``stats_and_hit`` → ``(reset_time, remaining, hit)`` (the stats as read just before
+    the hit, reading the counters once), ``hit`` → whether ``cost`` was taken (a rejected
+    hit consumes nothing), ``add`` an unconditional charge or refund.
+    """
+
+    __slots__ = ("amount", "expiry", "key", "local")
+
+    def __init__(self, local: LocalStorage, key: str, amount: int, expiry: int) -> None:
+        self.local = local
+        self.key = key
+        self.amount = amount
+        self.expiry = expiry
+
+    def stats(self, now: float) -> tuple[float, int]:
+        raise NotImplementedError
+
+    def stats_and_hit(self, now: float, cost: int = 1) -> tuple[float, int, bool]:
+        raise NotImplementedError
+
+    def hit(self, now: float, cost: int = 1) -> bool:
+        raise NotImplementedError
+
+    def add(self, now: float, amount: int) -> None:
+        raise NotImplementedError
+
+    def _get(self, key: str, now: float) -> int:
+        """``MemoryStorage.get``: the counter, dropped once expired.
+
+        A key never counted is in none of the storage's dicts: every writer (the
+        library's ``incr``, these counters) sets a new counter's expiry with it, and every
+        remover (``get``, ``clear``, ``reset``, the sweep) drops the three together. So
+        when it has no expiry there is nothing to drop (the inline copies rely on it too).
+        """
+        local = self.local
+        expires = local.expirations.get(key)
+        if expires is None:
+            return 0
+        if expires > now:
+            return local.storage.get(key, 0)
+        # Expired: forgotten, as the library's ``get`` does, which then reads 0.
+        local.storage.pop(key, None)
+        local.expirations.pop(key, None)
+        local.locks.pop(key, None)
+        return 0
+
+    def _incr(self, key: str, expiry: float, amount: int, now: float, current: int) -> int:
+        """``MemoryStorage.incr`` of a counter :meth:`_get` read as ``current`` at this ``now``:
+        add ``amount``; a new counter expires ``expiry`` from now."""
+        local = self.local
+        count = current + amount
+        if time.monotonic() >= local._next_sweep:
+            local._sweep_soon()
+        local.storage[key] = count
+        if count == amount:
+            local.expirations[key] = now + expiry
+        return count
+
+
+class FixedCounter(MemoryCounter):
+    """``FixedWindowRateLimiter`` on memory: one counter that expires a period after it starts."""
+
+    __slots__ = ()
+
+    def stats(self, now: float) -> tuple[float, int]:
+        count = self._get(self.key, now)
+        return self.local.expirations.get(self.key, now), max(0, self.amount - count)
+
+    def stats_and_hit(self, now: float, cost: int = 1) -> tuple[float, int, bool]:
+        key, amount = self.key, self.amount
+        count = self._get(key, now)
+        reset = self.local.expirations.get(key, now)  # before the hit sets a new window's expiry
+        return reset, max(0, amount - count), self._hit(key, amount, cost, now, count)
+
+    def hit(self, now: float, cost: int = 1) -> bool:
+        return self._hit(self.key, self.amount, cost, now, self._get(self.key, now))
+
+    def _hit(self, key: str, amount: int, cost: int, now: float, count: int) -> bool:
+        if self._incr(key, self.expiry, cost, now, count) <= amount:
+            return True
+        # Counted on rejection, as the library does: give it back.
+        self._incr(key, self.expiry, -cost, now, self._get(key, now))
+        return False
+
+    def add(self, now: float, amount: int) -> None:
+        self._incr(self.key, self.expiry, amount, now, self._get(self.key, now))
+
+
+class SlidingCounter(MemoryCounter):
+    """``SlidingWindowCounterRateLimiter`` on memory: the current period's counter
+    (``{key}/{now // period}``) plus the previous one's, weighted by how much of it
+    still overlaps the sliding window; a counter lives two periods.
+
+    The operations are written out in full (the library's ``get``, ``incr`` and window
+    arithmetic inline, in the library's order): per operation this is a handful of dict
+    operations, and a call per step cost as much again.
+    """
+
+    __slots__ = ("_current_key", "_previous", "_previous_key", "_window")
+
+    def __init__(self, local: LocalStorage, key: str, amount: int, expiry: int) -> None:
+        super().__init__(local, key, amount, expiry)
+        self._window = self._previous = -1
+        self._current_key = self._previous_key = ""
+
+    def _keys(self, window: int, previous: int) -> None:
+        """The two counters' keys for these period indexes (``sliding_window_keys``)."""
+        self._window, self._previous = window, previous
+        self._current_key, self._previous_key = f"{self.key}/{window}", f"{self.key}/{previous}"
+
+    def stats(self, now: float) -> tuple[float, int]:
+        reset, remaining, _ = self.stats_and_hit(now, None)
+        return reset, remaining
+
+    def stats_and_hit(self, now: float, cost: int | None = 1) -> tuple[float, int, bool]:
+        """``get_window_stats``, then (unless ``cost`` is None) ``acquire_sliding_window_entry``,
+        on one reading of the two counters."""
+        expiry = self.expiry
+        position = now / expiry
+        previous_position = (now - expiry) / expiry
+        # Each index from its own division, as the library computes them.
+        if int(position) != self._window or int(previous_position) != self._previous:
+            self._keys(int(position), int(previous_position))
+        local = self.local
+        storage, expirations = local.storage, local.expirations
+        key = self._previous_key
+        expires = expirations.get(key)
+        if expires is None:  # never counted (nothing to forget, see MemoryCounter._get)
+            previous_count = 0
+        elif expires > now:
+            previous_count = storage.get(key, 0)
+        else:  # expired: forgotten, as the library's ``get`` does
+            previous_count = 0
+            storage.pop(key, None)
+            expirations.pop(key, None)
+            local.locks.pop(key, None)
+        key = self._current_key
+        expires = expirations.get(key)
+        if expires is None:
+            current_count = 0
+        elif expires > now:
+            current_count = storage.get(key, 0)
+        else:
+            current_count = 0
+            storage.pop(key, None)
+            expirations.pop(key, None)
+            local.locks.pop(key, None)
+        current_ttl = (1 - (position % 1)) * expiry + expiry
+        if previous_count:
+            previous_ttl = (1 - (previous_position % 1)) * expiry
+            used = math.floor(previous_count * previous_ttl / expiry + current_count)
+            previous_reset_in = previous_ttl % (expiry / previous_count)
+            reset = now + (min(previous_reset_in, current_ttl % expiry) if current_count else previous_reset_in)
+        else:
+            used = current_count
+            reset = now + current_ttl % expiry if current_count else now
+        amount = self.amount
+        remaining = amount - used if used < amount else 0
+        if cost is None or cost > amount or used + cost > amount:
+            return reset, remaining, False
+        # As the library: a new current counter lives two windows (it is next window's previous).
+        if time.monotonic() >= local._next_sweep:
+            local._sweep_soon()
+        count = current_count + cost
+        storage[key] = count
+        if count == cost:
+            expirations[key] = now + 2 * expiry
+        return reset, remaining, True
+
+    def hit(self, now: float, cost: int = 1) -> bool:
+        """:meth:`stats_and_hit` without the stats (the per-IP windows' question)."""
+        amount = self.amount
+        if cost > amount:
+            return False  # refused before the window is read, as the library does
+        expiry = self.expiry
+        position = now / expiry
+        previous_position = (now - expiry) / expiry
+        if int(position) != self._window or int(previous_position) != self._previous:
+            self._keys(int(position), int(previous_position))
+        local = self.local
+        storage, expirations = local.storage, local.expirations
+        key = self._previous_key
+        expires = expirations.get(key)
+        if expires is None:
+            previous_count = 0
+        elif expires > now:
+            previous_count = storage.get(key, 0)
+        else:
+            previous_count = 0
+            storage.pop(key, None)
+            expirations.pop(key, None)
+            local.locks.pop(key, None)
+        key = self._current_key
+        expires = expirations.get(key)
+        if expires is None:
+            current_count = 0
+        elif expires > now:
+            current_count = storage.get(key, 0)
+        else:
+            current_count = 0
+            storage.pop(key, None)
+            expirations.pop(key, None)
+            local.locks.pop(key, None)
+        if previous_count:
+            previous_ttl = (1 - (previous_position % 1)) * expiry
+            used = math.floor(previous_count * previous_ttl / expiry + current_count)
+        else:
+            used = current_count
+        if used + cost > amount:
+            return False
+        if time.monotonic() >= local._next_sweep:
+            local._sweep_soon()
+        count = current_count + cost
+        storage[key] = count
+        if count == cost:
+            expirations[key] = now + 2 * expiry
+        return True
+
+    def add(self, now: float, amount: int) -> None:
+        # An acquire with no bound always takes: it only adds to the current counter
+        # (a new one lives two windows), which is all this does.
+        expiry = self.expiry
+        window = int(now / expiry)
+        if window != self._window:
+            self._keys(window, int((now - expiry) / expiry))
+        key = self._current_key
+        self._incr(key, 2 * expiry, amount, now, self._get(key, now))
 
 # --------------------------------------------------------------------------- Redis
 # Concurrency leases: one sorted set per key, member = permit id, score = lease end (ms,
@@ -587,14 +773,19 @@ class Windows:
 
     ``name`` says which storage ("memory", "redis", "postgres"). ``immediate``: this
     process's memory (:class:`LocalStorage`), which answers without I/O and also through
-    the synchronous ``*_now`` twins of ``hit``, ``stats`` and ``add`` (same arithmetic,
-    same keys; the caller reads the clock once per decision and passes it as ``now``).
+    the synchronous ``*_now`` twins of ``hit``, ``stats`` and ``add`` and the
+    :class:`MemoryCounter` they use (same arithmetic, same keys; the caller reads the
+    clock once per decision and passes it as ``now``).
     Operations of one request run together only on Redis, whose pipeline keeps them in
     order; elsewhere one after the other (memory: no task per operation; PostgreSQL: on
     separate connections a read could overtake the hit before it).
     """
 
-    __slots__ = ("_batches", "_fixed", "_local", "_refund_rejected", "immediate", "name", "storage", "strategy")
+    __slots__ = (
+        "_batches", "_counters", "_fixed", "_local", "_refund_rejected", "immediate", "name", "storage", "strategy",
+    )
+    #: Counters kept (cleared when full: each only saves building its keys again).
+    MAX_COUNTERS = 8192
 
     def __init__(self, name: str, storage: Storage, strategy: str) -> None:
         if strategy not in ("sliding-window", "fixed-window"):
@@ -607,11 +798,12 @@ class Windows:
         )
         self._batches = isinstance(storage, RedisWindowStorage)
         self._refund_rejected = self._fixed and getattr(storage, "consumes_on_rejection", True)
-        #: This process's memory: decided by :class:`LocalStorage`'s synchronous twins of
+        #: This process's memory: decided by :class:`MemoryCounter`, synchronous twins of
         #: the library's operations (same arithmetic, same keys), not through its coroutines.
         #: (The library's own MemoryStorage, a test's reference, goes through the strategy.)
         self._local = storage if isinstance(storage, LocalStorage) else None
         self.immediate = self._local is not None
+        self._counters: dict[str, MemoryCounter] = {}
 
     async def hit(self, item: RateLimitItem, *ids: str, cost: int = 1) -> bool:
         """Consume ``cost`` if it fits; a rejected hit consumes nothing."""
@@ -654,25 +846,28 @@ class Windows:
         return list(await asyncio.gather(*ops))
 
     # -- this process's memory, without coroutines (``immediate`` windows only) ----------
-    # Called on other storages they fail at once (``None`` has no such counters); the
-    # limiter only calls them where ``immediate`` holds.
+    # Called on other storages they fail at once; the limiter only calls them where
+    # ``immediate`` holds.
+    def counter(self, item: RateLimitItem, *ids: str) -> MemoryCounter:
+        """The :class:`MemoryCounter` of ``item`` for ``ids`` (kept: its keys are built once)."""
+        key = item.key_for(*ids)
+        counter = self._counters.get(key)
+        if counter is None:
+            local = self._local
+            assert local is not None, "memory windows only"
+            if len(self._counters) >= self.MAX_COUNTERS:
+                self._counters.clear()  # it only saves work: a counter holds no count
+            kind = FixedCounter if self._fixed else SlidingCounter
+            counter = self._counters[key] = kind(local, key, item.amount, item.get_expiry())
+        return counter
+
     def hit_now(self, item: RateLimitItem, *ids: str, cost: int = 1, now: float) -> bool:
         """:meth:`hit`, at ``now`` (``time.time()``)."""
-        local = self._local
-        assert local is not None, "memory windows only"
-        key = item.key_for(*ids)
-        if not self._fixed:
-            return local.acquire_sliding_now(key, item.amount, item.get_expiry(), cost, now)
-        return self._fixed_hit(local, item, key, cost, now, None)
+        return self.counter(item, *ids).hit(now, cost)
 
     def stats_now(self, item: RateLimitItem, *ids: str, now: float) -> WindowStats:
         """:meth:`stats`, at ``now``."""
-        local = self._local
-        assert local is not None, "memory windows only"
-        key = item.key_for(*ids)
-        if self._fixed:
-            return self._fixed_stats(local, item, key, now, local.get_now(key, now))
-        return self._sliding_stats(item, local.sliding_window_now(key, item.get_expiry(), now), now)
+        return WindowStats(*self.counter(item, *ids).stats(now))
 
     def stats_and_hit_now(
         self, item: RateLimitItem, *ids: str, cost: int = 1, now: float
@@ -681,54 +876,9 @@ class Windows:
 
         Nothing runs in between (no await), so the hit would read what the stats read.
         """
-        local = self._local
-        assert local is not None, "memory windows only"
-        key = item.key_for(*ids)
-        if self._fixed:
-            count = local.get_now(key, now)
-            stats = self._fixed_stats(local, item, key, now, count)  # before the hit sets a new window's expiry
-            return stats, self._fixed_hit(local, item, key, cost, now, count)
-        expiry = item.get_expiry()
-        window = local.sliding_window_now(key, expiry, now)
-        stats = self._sliding_stats(item, window, now)
-        return stats, local.acquire_sliding_now(key, item.amount, expiry, cost, now, window=window)
+        reset, remaining, ok = self.counter(item, *ids).stats_and_hit(now, cost)
+        return WindowStats(reset, remaining), ok
 
     def add_now(self, item: RateLimitItem, *ids: str, amount: int, now: float) -> None:
         """:meth:`add`, at ``now``."""
-        local = self._local
-        assert local is not None, "memory windows only"
-        key = item.key_for(*ids)
-        expiry = item.get_expiry()
-        if self._fixed:
-            local.incr_now(key, expiry, amount, now)
-        else:
-            # acquire_sliding_now with no bound always takes: it only adds to the current
-            # counter (a new one lives two windows), which is all this does.
-            local.incr_now(f"{key}/{int(now / expiry)}", 2 * expiry, amount, now)
-
-    @staticmethod
-    def _fixed_hit(
-        local: LocalStorage, item: RateLimitItem, key: str, cost: int, now: float, count: int | None
-    ) -> bool:
-        """FixedWindowRateLimiter.hit on memory; ``count``: the counter just read, if it was."""
-        if local.incr_now(key, item.get_expiry(), cost, now, current=count) <= item.amount:
-            return True
-        local.incr_now(key, item.get_expiry(), -cost, now)  # counted on rejection: give it back
-        return False
-
-    @staticmethod
-    def _fixed_stats(local: LocalStorage, item: RateLimitItem, key: str, now: float, count: int) -> WindowStats:
-        """FixedWindowRateLimiter.get_window_stats on memory, ``count`` being the counter now."""
-        return WindowStats(local.expirations.get(key, now), max(0, item.amount - count))
-
-    @staticmethod
-    def _sliding_stats(item: RateLimitItem, window: tuple[int, float, int, float], now: float) -> WindowStats:
-        """SlidingWindowCounterRateLimiter.get_window_stats, on the counts ``window`` read at ``now``."""
-        expiry = item.get_expiry()
-        previous_count, previous_ttl, current_count, current_ttl = window
-        remaining = max(0, item.amount - math.floor(previous_count * previous_ttl / expiry + current_count))
-        if not (previous_count or current_count):
-            return WindowStats(now, remaining)
-        previous_reset_in = previous_ttl % (expiry / previous_count) if previous_count else math.inf
-        current_reset_in = current_ttl % expiry if current_count else math.inf
-        return WindowStats(now + min(previous_reset_in, current_reset_in), remaining)
+        self.counter(item, *ids).add(now, amount)
