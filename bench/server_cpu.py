@@ -1,7 +1,7 @@
 """Server CPU per request of one or more gateway builds, in alternated passes: an A/B test.
 
-    python -m bench.server_cpu [--stream] [--seconds S] [--pairs N] [--no-budget] \\
-        --variant NAME=TREE[:VAR=VALUE,...] [--variant ...]
+    python -m bench.server_cpu [--stream [--chunks N[,M]]] [--seconds S] [--pairs N] [--no-budget] \\
+        --variant NAME=TREE[:VAR=VALUE,...] [--variant NAME=bare] [--variant ...]
     (or, from the repository root: PYTHONPATH=. python bench/server_cpu.py ...)
 
 A change of a few microseconds per request is below what one full ``python -m bench`` run
@@ -15,11 +15,19 @@ turns ``N`` times (A B A B ...), so a neighbour's noise lands on both; each pass
 figure and the end the median per variant. The gateway is pinned to one CPU and the
 driver and fake provider to the other, as in ``python -m bench``.
 
+``NAME=bare`` is the bare relay (``bench/bare_relay.py``) as a variant of its own, measured
+in the same turns. ``--chunks N`` sets the streams' length (default 50); two lengths,
+``--chunks 10,50``, measure each variant at both in turn and split its CPU per stream
+into what each chunk costs (the slope between the two) and what the stream's request
+costs whatever its length (the intercept): whether a gateway's excess over the bare
+relay is per chunk or per request.
+
 Examples::
 
     git worktree add /tmp/before HEAD~1
     python -m bench.server_cpu --variant before=/tmp/before --variant after=.
     python -m bench.server_cpu --no-budget --variant logs=. --variant quiet=.:LOG_LEVEL=warning
+    python -m bench.server_cpu --stream --chunks 10,50 --variant gateway=. --variant bare=bare
 
 PostgreSQL as for ``python -m bench`` (``BENCH_PG_ADMIN_DSN``); each pass has its own
 scratch database, dropped at its end.
@@ -29,13 +37,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.driver import closed_loop
 from bench.scenarios import RunContext, profiles_for, stream_body, whole_body
-from bench.stack import ProcWatch, Stack, StackOptions
+from bench.stack import REPO, ProcWatch, Stack, StackOptions
 
 __all__ = ["Variant", "main", "measure", "parse_variant"]
 
@@ -45,6 +54,8 @@ class Variant:
     name: str
     repo: Path
     env: dict[str, str] = field(default_factory=dict)
+    #: The bare relay instead of a gateway (``NAME=bare``).
+    bare: bool = False
 
 
 def parse_variant(spec: str) -> Variant:
@@ -52,6 +63,8 @@ def parse_variant(spec: str) -> Variant:
     name, sep, rest = spec.partition("=")
     if not sep or not name or not rest:
         raise argparse.ArgumentTypeError(f"--variant {spec!r}: expected NAME=TREE[:VAR=VALUE,...]")
+    if rest == "bare":
+        return Variant(name, REPO, bare=True)
     tree, _, env_text = rest.partition(":")
     env: dict[str, str] = {}
     for item in filter(None, env_text.split(",")):
@@ -65,21 +78,43 @@ def parse_variant(spec: str) -> Variant:
     return Variant(name, repo, env)
 
 
-async def measure(variant: Variant, *, stream: bool, seconds: float, budget: bool) -> tuple[float, float]:
+async def measure(
+    variant: Variant, *, stream: bool, seconds: float, budget: bool, chunks: int = 50
+) -> tuple[float, float]:
     """One pass: (server CPU µs per request, requests/s)."""
     profile = profiles_for(False)["stream" if stream else "fast"]
-    options = StackOptions(profiles=(profile,), bare=False, gateway_env=variant.env, key_budget=budget, repo=variant.repo)
+    if stream:
+        profile = dataclasses.replace(profile, chunks=chunks)
+    options = StackOptions(profiles=(profile,), bare=variant.bare, gateway_env=variant.env, key_budget=budget,
+                           repo=variant.repo)
     async with Stack(options) as stack:
         assert stack.gateway is not None
         ctx = RunContext(stack, False)
-        call = ctx.call("gateway", profile, stream_body(profile, 50) if stream else whole_body(profile))
+        target = "bare" if variant.bare else "gateway"
+        call = ctx.call(target, profile, stream_body(profile, chunks) if stream else whole_body(profile))
+        pid = stack.bare_procs[profile.name].pid if variant.bare else stack.gateway.pid
         concurrency = 64 if stream else 32
         await closed_loop(lambda _i: call, concurrency=concurrency, duration=2.0, warmup=0.5)
-        async with ProcWatch(stack.gateway.pid).window() as window:
+        async with ProcWatch(pid).window() as window:
             result = await closed_loop(lambda _i: call, concurrency=concurrency, duration=seconds, warmup=0.5)
     if not result.ok:
         raise RuntimeError(f"{variant.name}: no request succeeded ({dict(result.errors)})")
     return 1e6 * window.cpu / result.ok, result.rps
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    """``--chunks``: one length, or two different ones (the shorter first)."""
+    try:
+        values = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--chunks {text!r}: expected N or N,M") from None
+    if not 1 <= len(values) <= 2 or values[0] < 1 or len(values) != len(text.split(",")):
+        raise argparse.ArgumentTypeError(f"--chunks {text!r}: one or two different lengths of at least 1")
+    return values
+
+
+def _label(name: str, chunks: int, lengths: tuple[int, ...]) -> str:
+    return f"{name}@{chunks}" if len(lengths) > 1 else name
 
 
 async def main(argv: list[str] | None = None) -> dict[str, list[float]]:
@@ -91,22 +126,37 @@ async def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per pass (default 8)")
     parser.add_argument("--pairs", type=int, default=3, help="passes per variant (default 3, at most 20)")
     parser.add_argument("--no-budget", action="store_true", help="the bench key without its budget")
+    parser.add_argument("--chunks", type=_lengths, default=(50,),
+                        help="with --stream: chunks per stream, N or N,M (two lengths: per chunk and per stream)")
     args = parser.parse_args(argv)
     variants: list[Variant] = args.variant
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         parser.error("variant names must differ")
+    lengths: tuple[int, ...] = args.chunks if args.stream else (50,)
+    if not args.stream and args.chunks != (50,):
+        parser.error("--chunks needs --stream")
     unit = "stream" if args.stream else "request"
-    figures: dict[str, list[float]] = {v.name: [] for v in variants}
+    figures: dict[str, list[float]] = {_label(v.name, n, lengths): [] for v in variants for n in lengths}
     for round_ in range(max(1, min(args.pairs, 20))):
         for variant in variants:
-            cpu, rps = await measure(variant, stream=args.stream, seconds=max(1.0, args.seconds),
-                                     budget=not args.no_budget)
-            figures[variant.name].append(cpu)
-            print(f"pass {round_ + 1} {variant.name}: {cpu:,.1f} µs of server CPU per {unit} ({rps:,.0f}/s)", flush=True)
+            for chunks in lengths:
+                cpu, rps = await measure(variant, stream=args.stream, seconds=max(1.0, args.seconds),
+                                         budget=not args.no_budget, chunks=chunks)
+                label = _label(variant.name, chunks, lengths)
+                figures[label].append(cpu)
+                print(f"pass {round_ + 1} {label}: {cpu:,.1f} µs of server CPU per {unit} ({rps:,.0f}/s)", flush=True)
     for name, values in figures.items():
         print(f"{name}: median {statistics.median(values):,.1f} µs per {unit} "
               f"(min {min(values):,.1f}, max {max(values):,.1f}, {len(values)} passes)")
+    if len(lengths) == 2:
+        short, long = lengths
+        for variant in variants:
+            a = statistics.median(figures[_label(variant.name, short, lengths)])
+            b = statistics.median(figures[_label(variant.name, long, lengths)])
+            per_chunk = (b - a) / (long - short)
+            print(f"{variant.name}: {per_chunk:,.1f} µs per chunk, {a - short * per_chunk:,.0f} µs per stream "
+                  f"whatever its length (medians at {short} and {long} chunks)")
     return figures
 
 

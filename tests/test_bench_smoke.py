@@ -79,3 +79,23 @@ async def test_server_cpu_alternates_variants_and_refuses_what_is_not_a_tree(
     figures = await main(["--seconds", "1", "--pairs", "1", "--no-budget",
                           "--variant", f"here={REPO}", "--variant", f"quiet={REPO}:LOG_LEVEL=warning"])
     assert list(figures) == ["here", "quiet"] and all(len(v) == 1 and v[0] > 0 for v in figures.values())
+
+
+async def test_server_cpu_splits_a_stream_into_per_chunk_and_per_stream_and_measures_the_bare_relay(
+    pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.server_cpu import main, parse_variant
+
+    monkeypatch.setenv("BENCH_PG_ADMIN_DSN", pg_admin_dsn)
+    assert parse_variant("relay=bare").bare
+    figures = await main(["--stream", "--chunks", "2,6", "--seconds", "1", "--pairs", "1", "--no-budget",
+                          "--variant", f"here={REPO}", "--variant", "relay=bare"])
+    assert list(figures) == ["here@2", "here@6", "relay@2", "relay@6"]
+    assert all(len(v) == 1 and v[0] > 0 for v in figures.values())
+    out = capsys.readouterr().out
+    assert "here: " in out and "relay: " in out and "µs per chunk" in out and "per stream whatever its length" in out
+    for bad in (["--chunks", "2,2"], ["--chunks", "0"], ["--chunks", "x"], ["--chunks", "1,2,3"]):
+        with pytest.raises(SystemExit):
+            await main(["--stream", *bad, "--variant", f"here={REPO}"])
+    with pytest.raises(SystemExit):
+        await main(["--chunks", "2,6", "--variant", f"here={REPO}"])  # lengths are for streams
