@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from decimal import Decimal
+from typing import cast
 
 from gateway.billing.leases import BudgetLeases
 from gateway.billing.reservations import (
@@ -82,21 +83,28 @@ class BudgetGate:
         output_cap: int,
     ) -> Reservation | None:
         """Hold the call's worst case against its budgets; None when none applies."""
+        return await self.hold(call_id, api_key_id, key_budget, subject_id, model, prices, prompt_bound, output_cap)
+
+    async def hold(
+        self, call_id: uuid.UUID, api_key_id: uuid.UUID, key_budget: tuple[Decimal, str] | None,
+        subject_id: uuid.UUID, model: str, prices: Sequence[Price | None], prompt_bound: int, output_cap: int,
+    ) -> Reservation | None:
+        """:meth:`reserve` with its arguments in that order (every call's: no keywords to match)."""
         subject_budget = self._subject_budgets.get(subject_id)
         budgets = self._budgets_of(api_key_id, key_budget, subject_id, subject_budget)
         if not budgets:
             return None
-        priced: list[Price] = []
-        for price in prices:  # a loop, not all() over a generator and a list comprehension
+        unpriced = not prices
+        for price in prices:  # a loop, not all() over a generator; no list of the priced
             if price is None or not is_finite_price(price):
+                unpriced = True
                 break
-            priced.append(price)
-        if not prices or len(priced) < len(prices):
+        if unpriced:
             raise BudgetExceeded(
                 f"model '{model}' has a deployment with no price, so a call under a budget cannot be "
                 "counted; the operator must set a price for it (models[].deployments[].price)"
             )
-        amount = worst_case_micro_usd(prompt_bound, output_cap, priced)
+        amount = worst_case_micro_usd(prompt_bound, output_cap, cast("Sequence[Price]", prices))
         lease_size = self.leases.size_for(budgets, amount)
         if lease_size and (held := self.leases.take(budgets, amount, call_id)) is not None:
             return held  # the common case of a busy key: no I/O, no timer

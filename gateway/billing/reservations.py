@@ -33,7 +33,7 @@ import logging
 import math
 import uuid
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import date, datetime, timezone
 from decimal import ROUND_CEILING, Decimal
 from typing import TYPE_CHECKING, Any, Protocol
@@ -215,6 +215,20 @@ class Budget:
     period: str  # day | month | total
     start: date
     limit_micro_usd: int
+    #: The hash of the fields, once: a call's budgets key this process's leases, and the
+    #: generated ``__hash__`` (a tuple of five, the UUID's own ``__hash__`` in Python) was
+    #: most of each lookup. Same value as the generated one; not compared, not shown.
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.scope, self.id, self.period, self.start, self.limit_micro_usd)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[type[Budget], tuple[str, uuid.UUID, str, date, int]]:
+        # Rebuilt (and so hashed again) when unpickled or copied: a str's hash is per process.
+        return Budget, (self.scope, self.id, self.period, self.start, self.limit_micro_usd)
 
     @property
     def redis_name(self) -> str:
