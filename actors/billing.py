@@ -38,7 +38,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -85,6 +85,8 @@ log = logging.getLogger("gateway.billing")
 MAX_SHIP_BACKOFF = 2.0
 #: Unpriced model names remembered for metrics; a bound, since clients choose names.
 MAX_UNPRICED_MODELS = 1000
+#: Routes whose reachable prices a billing handle remembers; cleared when this many.
+MAX_CACHED_ROUTES = 1024
 #: A bad row (refused by the ledger) makes us ship its batch line by line, at most this big.
 
 
@@ -451,12 +453,16 @@ _BILLING_BOUND: dict[str, Any] = {"request_id": None, **_BILLING_UNBOUND}
 class BillingHandle:
     """What the edge holds: the call listener, the budget check, flush and stats."""
 
-    __slots__ = ("_actor", "_gate", "_ref")
+    __slots__ = ("_actor", "_gate", "_prices", "_prices_router", "_ref")
 
     def __init__(self, actor: BillingActor, ref: ActorRef[Any]) -> None:
         self._actor = actor
         self._ref = ref
         self._gate = actor.gate
+        #: :func:`_reachable_prices` by route, for one router (config generation): ``id(route)``
+        #: → (route, prices), the route held so its id is never another's meanwhile.
+        self._prices: dict[int, tuple[Route, tuple[Price | None, ...]]] = {}
+        self._prices_router: Router | None = None
 
     def record(self, call: CallRecord) -> None:
         """Call listener: one event per finished call, in the journal's file when this
@@ -482,7 +488,22 @@ class BillingHandle:
             return None
         cap = 0 if embeddings else output_cap(body, route.group.max_output_tokens)
         bound = prompt_token_bound(body.get("input") if embeddings else body)
-        return await self._hold(key, record, _reachable_prices(route, router), bound, cap)
+        return await self._hold(key, record, self._prices_of(route, router), bound, cap)
+
+    def _prices_of(self, route: Route, router: Router) -> tuple[Price | None, ...]:
+        """:func:`_reachable_prices`, remembered: the same for every call of a route on one
+        router (an exact model's route is built once per router; a wildcard's per call)."""
+        if router is not self._prices_router:
+            self._prices.clear()
+            self._prices_router = router
+        cached = self._prices.get(id(route))
+        if cached is not None and cached[0] is route:
+            return cached[1]
+        prices = tuple(_reachable_prices(route, router))
+        if len(self._prices) >= MAX_CACHED_ROUTES:
+            self._prices.clear()
+        self._prices[id(route)] = (route, prices)
+        return prices
 
     async def reserve_passthrough(
         self, key: VerifiedKey, record: CallRecord, body: Any, price: Price | None,
@@ -499,18 +520,13 @@ class BillingHandle:
         return await self._hold(key, record, [price], prompt_token_bound(body), cap)
 
     async def _hold(
-        self, key: VerifiedKey, record: CallRecord, prices: list[Price | None], prompt_bound: int, cap: int,
+        self, key: VerifiedKey, record: CallRecord, prices: Sequence[Price | None], prompt_bound: int, cap: int,
     ) -> Reservation | None:
         policy = key.policy
-        return await self._gate.reserve(
-            call_id=record.call_id,
-            api_key_id=key.api_key_id,
-            key_budget=(policy.budget_usd, policy.budget_period or "total") if policy.budget_usd is not None else None,
-            subject_id=key.subject_id,
-            model=record.requested_model,
-            prices=prices,
-            prompt_bound=prompt_bound,
-            output_cap=cap,
+        budget = policy.budget_usd
+        return await self._gate.hold(
+            record.call_id, key.api_key_id, (budget, policy.budget_period or "total") if budget is not None else None,
+            key.subject_id, record.requested_model, prices, prompt_bound, cap,
         )
 
     def settle(self, reservation: Reservation | None, call: CallRecord) -> None:

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 from limits import RateLimitItem, parse
 from limits.util import WindowStats
+from multidict import CIMultiDict, istr
 
 from actors.runtime import Actor, ActorRef
 from gateway.core.config import RateLimitSettings
@@ -84,21 +85,25 @@ log = logging.getLogger("gateway.limiter")
 SCOPES = ("ip", "requests", "tokens", "concurrency")
 
 
+#: The fraction of a second in ``x-ratelimit-reset-*``, by its milliseconds: ``.5``, ``.25``,
+#: ``.125`` (trailing zeros dropped), nothing for none: built once, not per answer.
+_MS_FRACTION = ("", *(f".{ms:03d}".rstrip("0") for ms in range(1, 1000)))
+
+
 def reset_header(seconds: float) -> str:
     """A duration as OpenAI writes ``x-ratelimit-reset-*``: ``20ms``, ``1s``, ``6m0s``, ``1h2m3.5s``."""
     ms = math.ceil(seconds * 1000)
     if ms < 1000:
         return f"{ms}ms" if ms > 0 else "0ms"
+    if ms < 60_000:  # the common case (a minute's window): seconds with up to three decimals
+        return f"{ms // 1000}{_MS_FRACTION[ms % 1000]}s"
     hours, rest = divmod(ms, 3_600_000)
     minutes, rest = divmod(rest, 60_000)
     # Whole milliseconds: seconds with up to three decimals, trailing zeros dropped.
     whole, fraction = divmod(rest, 1000)
-    secs = f"{whole}.{fraction:03d}".rstrip("0") if fraction else str(whole)
     if hours:
-        return f"{hours}h{minutes}m{secs}s"
-    if minutes:
-        return f"{minutes}m{secs}s"
-    return f"{secs}s"
+        return f"{hours}h{minutes}m{whole}{_MS_FRACTION[fraction]}s"
+    return f"{minutes}m{whole}{_MS_FRACTION[fraction]}s"
 
 
 class StorageDown(Exception):
@@ -1051,17 +1056,50 @@ def _key_headers(
     reset_requests = requests_reset - now
     if allowed:
         requests_remaining -= 1
-    headers = {
+    # One dict display, not a dict grown key by key.
+    if tokens_remaining is None:
+        return {
+            "x-ratelimit-limit-requests": str(requests),
+            "x-ratelimit-remaining-requests": str(requests_remaining) if requests_remaining > 0 else "0",
+            # An untouched window starts with this request and resets a whole window later.
+            "x-ratelimit-reset-requests": reset_header(reset_requests if reset_requests > 0 else window_seconds),
+        }
+    return {
         "x-ratelimit-limit-requests": str(requests),
         "x-ratelimit-remaining-requests": str(requests_remaining) if requests_remaining > 0 else "0",
-        # An untouched window starts with this request and resets a whole window later.
         "x-ratelimit-reset-requests": reset_header(reset_requests if reset_requests > 0 else window_seconds),
+        "x-ratelimit-limit-tokens": str(tokens_per_minute),
+        "x-ratelimit-remaining-tokens": str(tokens_remaining) if tokens_remaining > 0 else "0",
+        "x-ratelimit-reset-tokens": reset_header(tokens_reset - now),
     }
+
+
+#: The ``x-ratelimit-*`` names as multidict's case-insensitive keys, made once: a response's
+#: headers take them without folding their case per answer.
+_LIMIT_REQUESTS = istr("x-ratelimit-limit-requests")
+_REMAINING_REQUESTS = istr("x-ratelimit-remaining-requests")
+_RESET_REQUESTS = istr("x-ratelimit-reset-requests")
+_LIMIT_TOKENS = istr("x-ratelimit-limit-tokens")
+_REMAINING_TOKENS = istr("x-ratelimit-remaining-tokens")
+_RESET_TOKENS = istr("x-ratelimit-reset-tokens")
+
+
+def _put_key_headers(
+    out: CIMultiDict[str], requests: int, window_seconds: int, tokens_per_minute: int | None, reading: _Reading
+) -> None:
+    """An admitted request's :func:`_key_headers`, set straight on a response's headers
+    (as ``out.update(_key_headers(...))`` does, same values in the same order, without the
+    dict in between)."""
+    now, requests_reset, requests_remaining, tokens_reset, tokens_remaining = reading
+    reset_requests = requests_reset - now
+    requests_remaining -= 1
+    out[_LIMIT_REQUESTS] = str(requests)
+    out[_REMAINING_REQUESTS] = str(requests_remaining) if requests_remaining > 0 else "0"
+    out[_RESET_REQUESTS] = reset_header(reset_requests if reset_requests > 0 else window_seconds)
     if tokens_remaining is not None:
-        headers["x-ratelimit-limit-tokens"] = str(tokens_per_minute)
-        headers["x-ratelimit-remaining-tokens"] = str(tokens_remaining) if tokens_remaining > 0 else "0"
-        headers["x-ratelimit-reset-tokens"] = reset_header(tokens_reset - now)
-    return headers
+        out[_LIMIT_TOKENS] = str(tokens_per_minute)
+        out[_REMAINING_TOKENS] = str(tokens_remaining) if tokens_remaining > 0 else "0"
+        out[_RESET_TOKENS] = reset_header(tokens_reset - now)
 
 
 def _key_decision(msg: Acquire, scope: str | None, reading: _Reading, *, holds_slot: bool) -> Decision:
@@ -1172,6 +1210,19 @@ class Permit:
                 policy.rate_limit_requests, policy.rate_limit_window_seconds, policy.tokens_per_minute, True, reading,
             )
         return headers
+
+    def put_headers(self, out: CIMultiDict[str]) -> None:
+        """Set :attr:`headers` on a response's headers (``out.update(self.headers)``)."""
+        headers = self._headers
+        if headers is None:
+            limits, reading = self._limits, self._reading
+            assert limits is not None and reading is not None
+            policy = limits.policy
+            _put_key_headers(
+                out, policy.rate_limit_requests, policy.rate_limit_window_seconds, policy.tokens_per_minute, reading,
+            )
+        elif headers:
+            out.update(headers)
 
     def track(self, record: CallRecord) -> None:
         """Charge ``record.usage`` at release (chat calls)."""

@@ -24,6 +24,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from decimal import Decimal
+from typing import cast
 
 from gateway.billing.leases import BudgetLeases
 from gateway.billing.reservations import (
@@ -43,7 +44,7 @@ log = logging.getLogger("gateway.billing")
 
 #: Longest a call waits for the shared store before it is refused 503 (fail closed).
 RESERVE_TIMEOUT = 2.0
-#: Budgets remembered per (key, subject, their budgets, UTC day); cleared when this many.
+#: Keys whose budgets are remembered (with their subject, budgets and UTC day); cleared when this many.
 MAX_CACHED_BUDGETS = 10_000
 _DAY = 86_400
 
@@ -62,9 +63,12 @@ class BudgetGate:
         )
         #: Subject → (USD, period): the billing actor's published view, refreshed each second.
         self._subject_budgets = subject_budgets
-        #: The budgets of a call, by everything they depend on: the same for every call of
-        #: a key within a UTC day, and ~4 µs of Decimal and calendar work to rebuild.
-        self._budgets: dict[tuple[object, ...], tuple[Budget, ...]] = {}
+        #: The budgets of a key's calls, with everything they depend on (UTC day, key's
+        #: budget, subject, subject's budget): the same for every call of a key within a
+        #: UTC day, and ~4 µs of Decimal and calendar work to rebuild.
+        self._budgets: dict[
+            uuid.UUID, tuple[int, tuple[Decimal, str] | None, uuid.UUID, tuple[Decimal, str] | None, tuple[Budget, ...]]
+        ] = {}
 
     def applies(self, subject_id: uuid.UUID, key_budget: Decimal | None) -> bool:
         return key_budget is not None or subject_id in self._subject_budgets
@@ -82,21 +86,28 @@ class BudgetGate:
         output_cap: int,
     ) -> Reservation | None:
         """Hold the call's worst case against its budgets; None when none applies."""
+        return await self.hold(call_id, api_key_id, key_budget, subject_id, model, prices, prompt_bound, output_cap)
+
+    async def hold(
+        self, call_id: uuid.UUID, api_key_id: uuid.UUID, key_budget: tuple[Decimal, str] | None,
+        subject_id: uuid.UUID, model: str, prices: Sequence[Price | None], prompt_bound: int, output_cap: int,
+    ) -> Reservation | None:
+        """:meth:`reserve` with its arguments in that order (every call's: no keywords to match)."""
         subject_budget = self._subject_budgets.get(subject_id)
         budgets = self._budgets_of(api_key_id, key_budget, subject_id, subject_budget)
         if not budgets:
             return None
-        priced: list[Price] = []
-        for price in prices:  # a loop, not all() over a generator and a list comprehension
+        unpriced = not prices
+        for price in prices:  # a loop, not all() over a generator; no list of the priced
             if price is None or not is_finite_price(price):
+                unpriced = True
                 break
-            priced.append(price)
-        if not prices or len(priced) < len(prices):
+        if unpriced:
             raise BudgetExceeded(
                 f"model '{model}' has a deployment with no price, so a call under a budget cannot be "
                 "counted; the operator must set a price for it (models[].deployments[].price)"
             )
-        amount = worst_case_micro_usd(prompt_bound, output_cap, priced)
+        amount = worst_case_micro_usd(prompt_bound, output_cap, cast("Sequence[Price]", prices))
         lease_size = self.leases.size_for(budgets, amount)
         if lease_size and (held := self.leases.take(budgets, amount, call_id)) is not None:
             return held  # the common case of a busy key: no I/O, no timer
@@ -145,14 +156,18 @@ class BudgetGate:
         the same inputs give the same budgets."""
         now = time.time()
         day = int(now // _DAY)
-        cache_key = (api_key_id, key_budget, subject_id, subject_budget, day)
-        budgets = self._budgets.get(cache_key)
-        if budgets is None:
-            if len(self._budgets) >= MAX_CACHED_BUDGETS:
-                self._budgets.clear()
-            budgets = budgets_of(api_key_id, key_budget, subject_id, subject_budget,
-                                 now=datetime.fromtimestamp(day * _DAY, timezone.utc))
-            self._budgets[cache_key] = budgets
+        # One entry per key, its other inputs compared (their objects are the same call
+        # after call, so each compare is an identity check): one UUID hashed per call, not
+        # a five-tuple with two UUIDs (UUID's ``__hash__`` is Python).
+        entry = self._budgets.get(api_key_id)
+        if (entry is not None and entry[0] == day and entry[1] == key_budget and entry[3] == subject_budget
+                and (entry[2] is subject_id or entry[2] == subject_id)):
+            return entry[4]
+        if len(self._budgets) >= MAX_CACHED_BUDGETS:
+            self._budgets.clear()
+        budgets = budgets_of(api_key_id, key_budget, subject_id, subject_budget,
+                             now=datetime.fromtimestamp(day * _DAY, timezone.utc))
+        self._budgets[api_key_id] = (day, key_budget, subject_id, subject_budget, budgets)
         return budgets
 
 

@@ -164,15 +164,18 @@ class BudgetLeases:
             if lease.free >= amount and now < lease.admits_until:
                 break
             self._retire(lease)  # then its successor, if one was granted ahead
-        lease.free -= amount
+        lease.free = free = lease.free - amount
         lease.open += 1
-        lease.largest = max(lease.largest, amount)
+        largest = lease.largest
+        if amount > largest:  # max(), without the call
+            lease.largest = largest = amount
         self.admitted += 1
-        # Low: a quarter of its headroom left (a standby: less than one more call as large).
-        low = lease.free < lease.largest if lease.standby else lease.free * 4 < lease.reservation.amount_micro_usd
-        if not lease.renewing and (now >= lease.renew_at or low):
-            lease.renewing = True  # its successor, before any call has to wait for it
-            self._start_opening(budgets, lease.reservation.amount_micro_usd, renewal=True, largest=lease.largest)
+        if not lease.renewing:
+            # Low: a quarter of its headroom left (a standby: less than one more call as large).
+            low = free < largest if lease.standby else free * 4 < lease.reservation.amount_micro_usd
+            if now >= lease.renew_at or low:
+                lease.renewing = True  # its successor, before any call has to wait for it
+                self._start_opening(budgets, lease.reservation.amount_micro_usd, renewal=True, largest=largest)
         return Reservation(call_id, amount, budgets, lease)
 
     async def acquire(

@@ -196,10 +196,14 @@ def anthropic_ratelimit_headers(headers: Mapping[str, str], now: float) -> dict[
 def put_ratelimit_headers(request: web.Request, response: web.StreamResponse) -> None:
     """The ``x-ratelimit-*`` headers :func:`admit` computed, on whatever answer follows
     (and their ``anthropic-ratelimit-*`` spelling on the Messages routes)."""
-    headers = request.get(_HEADERS)
-    if headers is None:
-        permit = request.get(PERMIT)
-        headers = permit.headers if permit is not None else None
+    # The permit first: most answers have one, and a request key that is not there costs
+    # a KeyError raised and caught (``Request.get``). :func:`admit` runs once per request,
+    # so a request has a permit or a refusal's headers, never both.
+    permit = request.get(PERMIT)
+    if permit is not None and error_shape_for(request.path) != "anthropic":
+        permit.put_headers(response.headers)  # the common answer: no dict in between
+        return
+    headers = permit.headers if permit is not None else request.get(_HEADERS)
     if headers:
         response.headers.update(headers)
         if error_shape_for(request.path) == "anthropic":

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from gateway.http.errors import error_body
 
@@ -141,7 +141,7 @@ class CorsPolicy:
     # -- every other answer -----------------------------------------------------------
     def put_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         """Tell an allowed origin it may read this answer (no preflight's: it is complete)."""
-        origin = request.headers.get("Origin")
+        origin = request.headers.get(hdrs.ORIGIN)  # multidict's key, made once: no case folding
         if origin is None:
             return
         if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:

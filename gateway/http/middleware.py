@@ -13,6 +13,7 @@ import re
 from collections.abc import Mapping
 
 from aiohttp import web
+from multidict import istr
 
 from actors.auth import Unauthenticated
 from actors.runtime import ActorError
@@ -32,6 +33,8 @@ __all__ = [
 log = logging.getLogger("gateway.http")
 
 REQUEST_ID = "x-request-id"
+#: The same name as multidict's case-insensitive key, made once (no case folding per answer).
+_REQUEST_ID_NAME = istr(REQUEST_ID)
 _REQUEST_ID_KEY = web.RequestKey("request_id", str)
 #: A client's own request id is kept only if it is short and plain (no header injection).
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
@@ -127,10 +130,10 @@ class SecurityHeaders:
     __slots__ = ("_static",)
 
     def __init__(self, extra: Mapping[str, str]) -> None:
-        self._static = tuple({"X-Content-Type-Options": "nosniff", **extra}.items())
+        self._static = tuple((istr(name), value) for name, value in {"X-Content-Type-Options": "nosniff", **extra}.items())
 
     def put(self, request: web.Request, response: web.StreamResponse) -> None:
         headers = response.headers
-        headers[REQUEST_ID] = request_id_of(request)
+        headers[_REQUEST_ID_NAME] = request_id_of(request)
         for name, value in self._static:
             headers.setdefault(name, value)
