@@ -57,7 +57,7 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -161,6 +161,31 @@ class Health:
 
 
 _CLOSED = Health()
+
+#: Each field's slot setter, in field order: a frozen dataclass's ``__init__`` sets each
+#: field through ``object.__setattr__`` (1.25 µs for Health's eleven); the slots' own
+#: setters do the same for 0.7 µs. Only for the success fold, once per whole call.
+_HEALTH_SETTERS = tuple(getattr(Health, f.name).__set__ for f in fields(Health))
+_new_health = object.__new__
+
+
+def _folded(h: Health, latency: float | None, ttft: float | None, now: float) -> Health:
+    """``Health(CLOSED, 0, 0.0, ...)``: ``h`` with one more success folded in, built as
+    :class:`Health`'s own ``__init__`` would build it, without its per-field ``__setattr__``."""
+    folded: Health = _new_health(Health)
+    state, failures, open_until, cooling_until, probe_until, probe_token, lat, tt, rate, calls, used = _HEALTH_SETTERS
+    state(folded, CircuitState.CLOSED)
+    failures(folded, 0)
+    open_until(folded, 0.0)
+    cooling_until(folded, h.cooling_until)
+    probe_until(folded, h.probe_until)
+    probe_token(folded, h.probe_token)
+    lat(folded, _ewma(h.latency, latency))
+    tt(folded, _ewma(h.ttft, ttft))
+    rate(folded, h.error_rate - ERROR_ALPHA * h.error_rate)
+    calls(folded, h.calls + 1)
+    used(folded, now)
+    return folded
 
 
 # -- messages ------------------------------------------------------------------------------
@@ -368,12 +393,7 @@ class BreakerActor(Actor[Permit | Report | Reconfigure]):
     def fold_success(self, deployment: str, latency: float | None, ttft: float | None, now: float) -> None:
         """What :meth:`_report` does for a success where :meth:`applies_now`: pybreaker's
         count is zero and stays so (nothing to replay), so only the samples move."""
-        h = self._table[deployment]
-        self._table[deployment] = Health(
-            CircuitState.CLOSED, 0, 0.0, h.cooling_until, h.probe_until, h.probe_token,
-            _ewma(h.latency, latency), _ewma(h.ttft, ttft), h.error_rate - ERROR_ALPHA * h.error_rate,
-            h.calls + 1, now,
-        )
+        self._table[deployment] = _folded(self._table[deployment], latency, ttft, now)
 
     def _report(self, msg: Report, now: float) -> None:
         health = self._table.get(msg.deployment, _CLOSED)
