@@ -309,7 +309,12 @@ class _Call:
                     return None
             limits = state.deployment_limits
             if limits is not None:
-                room = await limits.take(target.deployment)
+                # Nothing of its own to count (no rpm/tpm): take()'s answer, without its coroutine.
+                room = (
+                    limits.reported_wait(deployment)
+                    if target.deployment.rpm is None and target.deployment.tpm is None
+                    else await limits.take(target.deployment)
+                )
                 if room is not None:  # at its rpm/tpm, or its provider said none is left: next one
                     if token:
                         breaker.report(deployment, Outcome.NEUTRAL, token=token)  # give the probe back

@@ -35,10 +35,11 @@ from gateway.limits.storage import STORAGE_ERRORS, KeyedItem, LocalStorage, Redi
 
 __all__ = ["DeploymentLimits", "ProviderReport", "parse_reset"]
 
+_KINDS = ("requests", "tokens")
 #: Each kind a provider reports, with its headers' names (per answer: no name formatted).
 _REPORT_HEADERS = tuple(
     (kind, f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}", f"x-ratelimit-limit-{kind}")
-    for kind in ("requests", "tokens")
+    for kind in _KINDS
 )
 
 log = logging.getLogger("gateway.headroom")
@@ -186,14 +187,24 @@ class DeploymentLimits:
             self._quiet_until = now + WARN_EVERY
             log.warning(message)
 
+    def reported_wait(self, deployment_id: str) -> float | None:
+        """What :meth:`take` answers for a deployment with neither ``rpm`` nor ``tpm``
+        (nothing to count): the wait its provider's last answer asked for, else None.
+        Synchronous, so such a call (most of them) awaits no coroutine for it."""
+        if not self._reports:
+            return None
+        return self._reported_wait(deployment_id, time.monotonic())
+
     def _reported_wait(self, deployment_id: str, now: float) -> float | None:
-        waits = [
-            report.resets_at - now
-            for kind in ("requests", "tokens")
-            if (report := self._reports.get((deployment_id, kind))) is not None
-            and report.remaining <= 0 and report.resets_at > now
-        ]
-        return max(waits) if waits else None
+        reports = self._reports
+        wait: float | None = None
+        for kind in _KINDS:
+            report = reports.get((deployment_id, kind))
+            if report is not None and report.remaining <= 0 and report.resets_at > now:
+                left = report.resets_at - now
+                if wait is None or left > wait:
+                    wait = left
+        return wait
 
     # -- after an attempt ----------------------------------------------------------------
     def observe(self, deployment_id: str, headers: Mapping[str, str]) -> None:
