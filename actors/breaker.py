@@ -57,7 +57,7 @@ import itertools
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -151,8 +151,8 @@ class Health:
         """
         if self.cooling_until > now and not ignore_cooling:
             return Admission.WAIT, self.cooling_until - now
-        if self.state is CircuitState.CLOSED:
-            return Admission.PASS, 0.0
+        if self.state is _STATE_CLOSED:
+            return _PASS, 0.0
         if self.state is CircuitState.OPEN and now < self.open_until:
             return Admission.WAIT, self.open_until - now
         if self.state is CircuitState.HALF_OPEN and now < self.probe_until:
@@ -161,6 +161,35 @@ class Health:
 
 
 _CLOSED = Health()
+#: Enum members the hot path reads, looked up once (through their class: ~60 ns a read).
+_STATE_CLOSED = CircuitState.CLOSED
+_PASS = Admission.PASS
+_SUCCESS = Outcome.SUCCESS
+
+#: Each field's slot setter, in field order: a frozen dataclass's ``__init__`` sets each
+#: field through ``object.__setattr__`` (1.25 µs for Health's eleven); the slots' own
+#: setters do the same for 0.7 µs. Only for the success fold, once per whole call.
+_HEALTH_SETTERS = tuple(getattr(Health, f.name).__set__ for f in fields(Health))
+_new_health = object.__new__
+
+
+def _folded(h: Health, latency: float | None, ttft: float | None, now: float) -> Health:
+    """``Health(CLOSED, 0, 0.0, ...)``: ``h`` with one more success folded in, built as
+    :class:`Health`'s own ``__init__`` would build it, without its per-field ``__setattr__``."""
+    folded: Health = _new_health(Health)
+    state, failures, open_until, cooling_until, probe_until, probe_token, lat, tt, rate, calls, used = _HEALTH_SETTERS
+    state(folded, _STATE_CLOSED)
+    failures(folded, 0)
+    open_until(folded, 0.0)
+    cooling_until(folded, h.cooling_until)
+    probe_until(folded, h.probe_until)
+    probe_token(folded, h.probe_token)
+    lat(folded, _ewma(h.latency, latency))
+    tt(folded, _ewma(h.ttft, ttft))
+    rate(folded, h.error_rate - ERROR_ALPHA * h.error_rate)
+    calls(folded, h.calls + 1)
+    used(folded, now)
+    return folded
 
 
 # -- messages ------------------------------------------------------------------------------
@@ -368,12 +397,16 @@ class BreakerActor(Actor[Permit | Report | Reconfigure]):
     def fold_success(self, deployment: str, latency: float | None, ttft: float | None, now: float) -> None:
         """What :meth:`_report` does for a success where :meth:`applies_now`: pybreaker's
         count is zero and stays so (nothing to replay), so only the samples move."""
-        h = self._table[deployment]
-        self._table[deployment] = Health(
-            CircuitState.CLOSED, 0, 0.0, h.cooling_until, h.probe_until, h.probe_token,
-            _ewma(h.latency, latency), _ewma(h.ttft, ttft), h.error_rate - ERROR_ALPHA * h.error_rate,
-            h.calls + 1, now,
-        )
+        self._table[deployment] = _folded(self._table[deployment], latency, ttft, now)
+
+    def fold_if_clear(self, deployment: str, latency: float | None, ttft: float | None, now: float) -> bool:
+        """:meth:`fold_success` where :meth:`applies_now`, in one look at the entry:
+        whether it applied (False: the success must go through the mailbox)."""
+        health = self._table.get(deployment)
+        if health is None or health.state is not _STATE_CLOSED or health.failures:
+            return False
+        self._table[deployment] = _folded(health, latency, ttft, now)
+        return True
 
     def _report(self, msg: Report, now: float) -> None:
         health = self._table.get(msg.deployment, _CLOSED)
@@ -530,7 +563,7 @@ class BreakerHandle:
         """PASS, PROBE or WAIT (with seconds) for ``deployment``, from the snapshot."""
         health = self._view.get(deployment)
         if health is None:
-            return Admission.PASS, 0.0
+            return _PASS, 0.0
         return health.admission(time.monotonic() if now is None else now, ignore_cooling=ignore_cooling)
 
     def health(self, deployment: str) -> Health | None:
@@ -574,14 +607,15 @@ class BreakerHandle:
         ``will_retry``: a failed attempt the caller sends again to the same deployment,
         so the call counts once toward ``fail_max``, by its last attempt.
         """
-        if outcome is Outcome.SUCCESS and token == 0 and self._actor.running and self._actor.applies_now(deployment):
+        actor = self._actor
+        if (outcome is _SUCCESS and token == 0 and actor.running
+                and actor.fold_if_clear(deployment, latency, ttft, time.monotonic())):
             # The common case, a success on a closed circuit with nothing counted against
             # it, only folds a latency sample into the published entry: done here, in the
             # caller's task, it saves the tell and the actor's wake-up (~6 µs per call).
             # Asyncio runs one callback at a time and _report never awaits, so this is as
             # atomic as the actor's own loop; anything that may change a circuit still
             # goes through the mailbox, in order.
-            self._actor.fold_success(deployment, latency, ttft, time.monotonic())
             return
         try:
             self._ref.tell(Report(deployment, outcome, token, latency, ttft, retry_after, will_retry))

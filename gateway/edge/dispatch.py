@@ -94,6 +94,10 @@ log = logging.getLogger("gateway.upstream")
 #: A provider answering these refused the gateway's credential, not the client's key.
 _CREDENTIAL_REFUSED = frozenset({401, 403})
 
+#: Read on every attempt: looked up once (an enum member read through its class: ~60 ns).
+_PASS = Admission.PASS
+_SUCCESS = Outcome.SUCCESS
+
 #: Added to a probe's timeouts for its lease, so a slow probe is not taken for a lost one.
 _PROBE_LEASE_MARGIN = 5.0
 
@@ -150,7 +154,7 @@ async def dispatch(
     the time spent waiting on providers. ``headers`` default to the call's trace context.
     """
     call = _Call(state, body, record, stream, record.trace_headers if headers is None else headers, native=native)
-    return await _run(call, state, route, record)
+    return await call.run(_chain(state, route))
 
 
 async def embed(
@@ -169,22 +173,21 @@ async def embed(
     call = _Call(
         state, body, record, False, record.trace_headers if headers is None else headers, embeddings=True
     )
-    return await _run(call, state, route, record)
+    return await call.run(_chain(state, route))
 
 
-async def _run(call: _Call, state: GatewayState, route: Route, record: CallRecord) -> tuple[Target, UpstreamReply]:
+def _chain(state: GatewayState, route: Route) -> list[tuple[str | None, Route]]:
+    """The routes a call goes through: its own, then its group's fallbacks'."""
     chain: list[tuple[str | None, Route]] = [(None, route)]
-    router = route.router or state.router  # the call's own config generation, even mid-reload
-    for name in route.group.fallbacks:
-        try:
-            chain.append((name, router.resolve(name)))
-        except GatewayError:
-            continue  # config validation keeps this from happening
-    record.upstream_started_at = started = time.monotonic()
-    try:
-        return await call.run(chain)
-    finally:
-        record.upstream_time = time.monotonic() - started
+    fallbacks = route.group.fallbacks
+    if fallbacks:
+        router = route.router or state.router  # the call's own config generation, even mid-reload
+        for name in fallbacks:
+            try:
+                chain.append((name, router.resolve(name)))
+            except GatewayError:
+                continue  # config validation keeps this from happening
+    return chain
 
 
 class _Call:
@@ -220,33 +223,40 @@ class _Call:
         self.limited = False
 
     async def run(self, chain: list[tuple[str | None, Route]]) -> tuple[Target, UpstreamReply]:
-        seen: set[tuple[str, str]] = set()
-        for link, (fallback_model, route) in enumerate(chain):
-            router = route.router or self.state.router
-            limits = self.state.deployment_limits
-            headroom = (
-                limits.snapshot([t.deployment for t in route.targets])
-                if limits is not None and route.group.strategy == "least-busy" else None
-            )
-            ordered = router.order(route, self.breaker.view, stream=self.stream, headroom=headroom)
-            if self.embeddings:
-                # e.g. an Anthropic deployment in the group: passed over, not a failure.
-                providers = _providers_of(self.state, route)
-                ordered = [t for t in ordered if providers[t.provider].serves_embeddings]
-            elif self.native is not None and self.native.chat_error is not None:
-                providers = self.state.providers
-                ordered = [t for t in ordered if self.native.spoken_by(providers[t.provider])]
-            for index, target in enumerate(ordered):
-                key = (target.deployment.id, target.upstream_model)
-                if key in seen:
-                    continue  # a fallback sharing a deployment: it already failed
-                seen.add(key)
-                self.capable += 1
-                more = index + 1 < len(ordered) or link + 1 < len(chain)
-                reply = await self._try(target, route, fallback_model, more=more)
-                if reply is not None:
-                    return target, reply
-        return self._give_up()
+        """The first good reply along ``chain``, the time waited on providers recorded
+        (here, not in a coroutine of its own around this one: one await less per call)."""
+        record = self.record
+        record.upstream_started_at = started = time.monotonic()
+        try:
+            seen: set[tuple[str, str]] = set()
+            for link, (fallback_model, route) in enumerate(chain):
+                router = route.router or self.state.router
+                limits = self.state.deployment_limits
+                headroom = (
+                    limits.snapshot([t.deployment for t in route.targets])
+                    if limits is not None and route.group.strategy == "least-busy" else None
+                )
+                ordered = router.order(route, self.breaker.view, stream=self.stream, headroom=headroom)
+                if self.embeddings:
+                    # e.g. an Anthropic deployment in the group: passed over, not a failure.
+                    providers = _providers_of(self.state, route)
+                    ordered = [t for t in ordered if providers[t.provider].serves_embeddings]
+                elif self.native is not None and self.native.chat_error is not None:
+                    providers = self.state.providers
+                    ordered = [t for t in ordered if self.native.spoken_by(providers[t.provider])]
+                for index, target in enumerate(ordered):
+                    key = (target.deployment.id, target.upstream_model)
+                    if key in seen:
+                        continue  # a fallback sharing a deployment: it already failed
+                    seen.add(key)
+                    self.capable += 1
+                    more = index + 1 < len(ordered) or link + 1 < len(chain)
+                    reply = await self._try(target, route, fallback_model, more=more)
+                    if reply is not None:
+                        return target, reply
+            return self._give_up()
+        finally:
+            record.upstream_time = time.monotonic() - started
 
     def _skip(self, wait: float) -> None:
         self.wait = wait if self.wait is None else min(self.wait, wait)
@@ -298,10 +308,11 @@ class _Call:
             token = 0
             # A retry has waited out its own 429's cool-down: only the circuit matters then.
             admission, wait = breaker.admission(deployment, ignore_cooling=attempt > 0)
-            if admission is Admission.WAIT:
-                self._skip(wait)
-                return None
-            if admission is Admission.PROBE:
+            if admission is not _PASS:
+                if admission is Admission.WAIT:
+                    self._skip(wait)
+                    return None
+                # Admission.PROBE:
                 lease = timeouts.connect + (timeouts.idle if self.stream else timeouts.total)
                 permission, token = await breaker.permit(deployment, lease + _PROBE_LEASE_MARGIN)
                 if not permission.granted:
@@ -309,7 +320,12 @@ class _Call:
                     return None
             limits = state.deployment_limits
             if limits is not None:
-                room = await limits.take(target.deployment)
+                # Nothing of its own to count (no rpm/tpm): take()'s answer, without its coroutine.
+                room = (
+                    limits.reported_wait(deployment)
+                    if target.deployment.rpm is None and target.deployment.tpm is None
+                    else await limits.take(target.deployment)
+                )
                 if room is not None:  # at its rpm/tpm, or its provider said none is left: next one
                     if token:
                         breaker.report(deployment, Outcome.NEUTRAL, token=token)  # give the probe back
@@ -369,10 +385,10 @@ class _Call:
                     return None  # another deployment's credential may work; retrying here won't
                 if status not in RETRYABLE_STATUSES and not is_failure_status(status):
                     if first is not None:
-                        breaker.report(deployment, Outcome.SUCCESS, token=token, ttft=elapsed)
+                        breaker.report(deployment, _SUCCESS, token=token, ttft=elapsed)
                         _watch(reply, first, deployment, breaker)
                     else:
-                        breaker.report(deployment, Outcome.SUCCESS, token=token, latency=elapsed)
+                        breaker.report(deployment, _SUCCESS, token=token, latency=elapsed)
                     return reply
                 retry_after = reply.retry_after
                 if status == 429 and retry_after is None:

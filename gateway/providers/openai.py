@@ -99,7 +99,9 @@ class OpenAIProvider(Provider):
     ) -> UpstreamReply:
         keyed = self.keyed_headers(self._headers)
         send_headers = {**keyed, **headers} if headers else keyed
-        if timeouts is None:
+        if timeouts is None or timeouts is self.timeouts:
+            # Dispatch passes the provider's own timeouts unless the route group sets its
+            # own: aiohttp's timeout for them is built once, not per call (0.7 µs).
             timeout = self._stream_timeout if stream else self._whole_timeout
         else:
             timeout = client_timeout(timeouts, stream=stream)

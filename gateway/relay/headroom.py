@@ -35,6 +35,13 @@ from gateway.limits.storage import STORAGE_ERRORS, KeyedItem, LocalStorage, Redi
 
 __all__ = ["DeploymentLimits", "ProviderReport", "parse_reset"]
 
+_KINDS = ("requests", "tokens")
+#: Each kind a provider reports, with its headers' names (per answer: no name formatted).
+_REPORT_HEADERS = tuple(
+    (kind, f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}", f"x-ratelimit-limit-{kind}")
+    for kind in _KINDS
+)
+
 log = logging.getLogger("gateway.headroom")
 
 #: The window of ``rpm`` and ``tpm``.
@@ -42,6 +49,8 @@ MINUTE = 60
 #: Seconds between two warnings about an unreachable store.
 WARN_EVERY = 10.0
 
+#: The last letters of :data:`_DURATION`'s units.
+_UNIT_ENDS = ("h", "m", "s")
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m(?!s))?(?:(\d+(?:\.\d+)?)s)?(?:(\d+(?:\.\d+)?)ms)?")
 
 
@@ -50,15 +59,21 @@ def parse_reset(raw: str | None) -> float | None:
     if not raw:
         return None
     raw = raw.strip()
-    try:
-        return max(0.0, float(raw))
-    except ValueError:
-        pass
+    # OpenAI's form ("1s", "6m0s", "20ms") ends with a unit, which no number float() takes
+    # ends with (its letters end "inf", "infinity", "nan"): the ValueError (~1 µs) is spared.
+    if not raw.endswith(_UNIT_ENDS):
+        try:
+            return max(0.0, float(raw))
+        except ValueError:
+            pass
     match = _DURATION.fullmatch(raw)
-    if match is None or not any(match.groups()):
+    if match is None:
         return None
-    hours, minutes, seconds, millis = (float(g) if g else 0.0 for g in match.groups())
-    return hours * 3600 + minutes * 60 + seconds + millis / 1000
+    hours, minutes, seconds, millis = match.groups()
+    if not (hours or minutes or seconds or millis):
+        return None
+    return ((float(hours) if hours else 0.0) * 3600 + (float(minutes) if minutes else 0.0) * 60
+            + (float(seconds) if seconds else 0.0) + (float(millis) if millis else 0.0) / 1000)
 
 
 def _int(raw: str | None) -> int | None:
@@ -172,27 +187,37 @@ class DeploymentLimits:
             self._quiet_until = now + WARN_EVERY
             log.warning(message)
 
+    def reported_wait(self, deployment_id: str) -> float | None:
+        """What :meth:`take` answers for a deployment with neither ``rpm`` nor ``tpm``
+        (nothing to count): the wait its provider's last answer asked for, else None.
+        Synchronous, so such a call (most of them) awaits no coroutine for it."""
+        if not self._reports:
+            return None
+        return self._reported_wait(deployment_id, time.monotonic())
+
     def _reported_wait(self, deployment_id: str, now: float) -> float | None:
-        waits = [
-            report.resets_at - now
-            for kind in ("requests", "tokens")
-            if (report := self._reports.get((deployment_id, kind))) is not None
-            and report.remaining <= 0 and report.resets_at > now
-        ]
-        return max(waits) if waits else None
+        reports = self._reports
+        wait: float | None = None
+        for kind in _KINDS:
+            report = reports.get((deployment_id, kind))
+            if report is not None and report.remaining <= 0 and report.resets_at > now:
+                left = report.resets_at - now
+                if wait is None or left > wait:
+                    wait = left
+        return wait
 
     # -- after an attempt ----------------------------------------------------------------
     def observe(self, deployment_id: str, headers: Mapping[str, str]) -> None:
         """Fold a provider answer's ``x-ratelimit-*`` headers in (any status)."""
         now = time.monotonic()
-        for kind in ("requests", "tokens"):
-            remaining = _int(headers.get(f"x-ratelimit-remaining-{kind}"))
+        for kind, remaining_header, reset_header, limit_header in _REPORT_HEADERS:
+            remaining = _int(headers.get(remaining_header))
             if remaining is None:
                 continue
-            reset = parse_reset(headers.get(f"x-ratelimit-reset-{kind}"))
+            reset = parse_reset(headers.get(reset_header))
             # No reset given: trust the number for one window at most.
             resets_at = now + (reset if reset is not None else MINUTE)
-            limit = _int(headers.get(f"x-ratelimit-limit-{kind}"))
+            limit = _int(headers.get(limit_header))
             self._reports[(deployment_id, kind)] = ProviderReport(remaining, limit, resets_at)
 
     def charges_tokens(self, deployment_id: str | None) -> bool:
