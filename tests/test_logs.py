@@ -396,6 +396,38 @@ def test_lines_batched_on_a_loop_that_ended_are_written_before_the_next_line_in_
     assert [line["n"] for line in lines] == [0, 1, 2, 3, 4, 5, 6]
 
 
+def test_a_line_from_another_thread_leaves_the_loops_batch_alone_and_nothing_is_lost() -> None:
+    # The loop's batch is its own: a line logged on another thread (a span exporter's
+    # warning, a worker's) is handed over by itself and never swaps the batch out from
+    # under the loop, which could otherwise append a line to a list already handed over.
+    import asyncio
+    import threading
+
+    from gateway.observability import logs
+
+    logger = logging.getLogger("gateway.test.threads")
+
+    async def on_a_loop() -> list[Any]:
+        log_fields(logger, "loop", {"n": 0})
+        assert logs._installed is not None
+        batch = logs._installed._batch
+        pending = list(batch)
+        worker = threading.Thread(target=lambda: logger.warning("from another thread"))
+        worker.start()
+        worker.join()
+        assert logs._installed._batch is batch and list(batch) == pending  # not flushed by the other thread
+        log_fields(logger, "loop", {"n": 1})
+        return list(batch)
+
+    with json_logs() as (out, setup):
+        batched = asyncio.run(on_a_loop())
+        setup.stop()
+        lines = [orjson.loads(x) for x in out.getvalue().splitlines()]
+    assert len(batched) == 2
+    assert sorted(line["msg"] for line in lines) == ["from another thread", "loop", "loop"]
+    assert [line["n"] for line in lines if line["msg"] == "loop"] == [0, 1]
+
+
 @pytest.mark.parametrize("bound", [False, True])
 async def test_the_access_line_is_the_line_of_its_fields_byte_for_byte(monkeypatch: pytest.MonkeyPatch, bound: bool) -> None:
     # The access line's fields are handed over as they are (hand_off_fields); the

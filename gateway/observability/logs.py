@@ -309,7 +309,12 @@ class _HandOff(logging.handlers.QueueHandler):
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self.flush_batch()
+            # Off any loop. On the batch's own thread (its loop ended, or code around it),
+            # the batch goes first, so the lines stay in order. Another thread (an
+            # exporter's, a worker's) never touches the batch: swapping it out there could
+            # land between the loop's read of the list and its append, and lose that line.
+            if self._batch_thread == threading.get_ident():
+                self.flush_batch()
             self.queue.put_nowait(record)
             return
         self._batch.append(record)
