@@ -18,7 +18,7 @@ import asyncpg
 
 from gateway.billing.reservations import prompt_token_bound
 from gateway.testing import fake_llm
-from tests.conftest import FakeUpstream, auth, chat_body, config_for, via_proxy
+from tests.conftest import FakeUpstream, auth, chat_body, config_for, until, via_proxy
 
 PRICED = {"input_per_mtok": 1000.0, "output_per_mtok": 3000.0}
 
@@ -95,6 +95,9 @@ async def test_postgres_cut_during_traffic_then_restored_every_event_once(
         assert len(answered) == 62
         before = await ledger_counts(db_pool, answered)
         assert len(before) < len(answered)  # some events really waited for the ledger
+        # The outage lasts until a ship has run into it: traffic that ends within one ship
+        # interval of the cut would otherwise restore the database before any ship failed.
+        await until(lambda: "ledger unreachable" in gw.log(), timeout=15)
         await pg_proxy.restore()
         counts = await wait_for_rows(db_pool, answered)
     assert counts == {rid: 1 for rid in answered}
