@@ -222,7 +222,7 @@ class MemoryCounter:
         A key never counted is in none of the storage's dicts: every writer (the
         library's ``incr``, these counters) sets a new counter's expiry with it, and every
         remover (``get``, ``clear``, ``reset``, the sweep) drops the three together. So
-        when it has no expiry there is nothing to drop (the inline copies rely on it too).
+        when it has no expiry there is nothing to drop.
         """
         local = self.local
         expires = local.expirations.get(key)
@@ -283,9 +283,8 @@ class SlidingCounter(MemoryCounter):
     (``{key}/{now // period}``) plus the previous one's, weighted by how much of it
     still overlaps the sliding window; a counter lives two periods.
 
-    The operations are written out in full (the library's ``get``, ``incr`` and window
-    arithmetic inline, in the library's order): per operation this is a handful of dict
-    operations, and a call per step cost as much again.
+    One reading of the window (:meth:`_read`) and one take (:meth:`_take`) serve both the
+    stats-and-hit of a key's window and the per-IP hit, in the library's order.
     """
 
     __slots__ = ("_current_key", "_previous", "_previous_key", "_window")
@@ -308,35 +307,7 @@ class SlidingCounter(MemoryCounter):
         """``get_window_stats``, then (unless ``cost`` is None) ``acquire_sliding_window_entry``,
         on one reading of the two counters."""
         expiry = self.expiry
-        position = now / expiry
-        previous_position = (now - expiry) / expiry
-        # Each index from its own division, as the library computes them.
-        if int(position) != self._window or int(previous_position) != self._previous:
-            self._keys(int(position), int(previous_position))
-        local = self.local
-        storage, expirations = local.storage, local.expirations
-        key = self._previous_key
-        expires = expirations.get(key)
-        if expires is None:  # never counted (nothing to forget, see MemoryCounter._get)
-            previous_count = 0
-        elif expires > now:
-            previous_count = storage.get(key, 0)
-        else:  # expired: forgotten, as the library's ``get`` does
-            previous_count = 0
-            storage.pop(key, None)
-            expirations.pop(key, None)
-            local.locks.pop(key, None)
-        key = self._current_key
-        expires = expirations.get(key)
-        if expires is None:
-            current_count = 0
-        elif expires > now:
-            current_count = storage.get(key, 0)
-        else:
-            current_count = 0
-            storage.pop(key, None)
-            expirations.pop(key, None)
-            local.locks.pop(key, None)
+        position, previous_position, previous_count, current_count = self._read(now)
         current_ttl = (1 - (position % 1)) * expiry + expiry
         if previous_count:
             previous_ttl = (1 - (previous_position % 1)) * expiry
@@ -350,13 +321,7 @@ class SlidingCounter(MemoryCounter):
         remaining = amount - used if used < amount else 0
         if cost is None or cost > amount or used + cost > amount:
             return reset, remaining, False
-        # As the library: a new current counter lives two windows (it is next window's previous).
-        if time.monotonic() >= local._next_sweep:
-            local._sweep_soon()
-        count = current_count + cost
-        storage[key] = count
-        if count == cost:
-            expirations[key] = now + 2 * expiry
+        self._take(now, current_count, cost)
         return reset, remaining, True
 
     def hit(self, now: float, cost: int = 1) -> bool:
@@ -365,34 +330,7 @@ class SlidingCounter(MemoryCounter):
         if cost > amount:
             return False  # refused before the window is read, as the library does
         expiry = self.expiry
-        position = now / expiry
-        previous_position = (now - expiry) / expiry
-        if int(position) != self._window or int(previous_position) != self._previous:
-            self._keys(int(position), int(previous_position))
-        local = self.local
-        storage, expirations = local.storage, local.expirations
-        key = self._previous_key
-        expires = expirations.get(key)
-        if expires is None:
-            previous_count = 0
-        elif expires > now:
-            previous_count = storage.get(key, 0)
-        else:
-            previous_count = 0
-            storage.pop(key, None)
-            expirations.pop(key, None)
-            local.locks.pop(key, None)
-        key = self._current_key
-        expires = expirations.get(key)
-        if expires is None:
-            current_count = 0
-        elif expires > now:
-            current_count = storage.get(key, 0)
-        else:
-            current_count = 0
-            storage.pop(key, None)
-            expirations.pop(key, None)
-            local.locks.pop(key, None)
+        _, previous_position, previous_count, current_count = self._read(now)
         if previous_count:
             previous_ttl = (1 - (previous_position % 1)) * expiry
             used = math.floor(previous_count * previous_ttl / expiry + current_count)
@@ -400,13 +338,22 @@ class SlidingCounter(MemoryCounter):
             used = current_count
         if used + cost > amount:
             return False
-        if time.monotonic() >= local._next_sweep:
-            local._sweep_soon()
-        count = current_count + cost
-        storage[key] = count
-        if count == cost:
-            expirations[key] = now + 2 * expiry
+        self._take(now, current_count, cost)
         return True
+
+    def _read(self, now: float) -> tuple[float, float, int, int]:
+        """The window's positions at ``now`` and its two counters (``get_sliding_window``)."""
+        expiry = self.expiry
+        position = now / expiry
+        previous_position = (now - expiry) / expiry
+        # Each index from its own division, as the library computes them.
+        if int(position) != self._window or int(previous_position) != self._previous:
+            self._keys(int(position), int(previous_position))
+        return position, previous_position, self._get(self._previous_key, now), self._get(self._current_key, now)
+
+    def _take(self, now: float, current_count: int, cost: int) -> None:
+        # As the library: a new current counter lives two windows (it is next window's previous).
+        self._incr(self._current_key, 2 * self.expiry, cost, now, current_count)
 
     def add(self, now: float, amount: int) -> None:
         # An acquire with no bound always takes: it only adds to the current counter
