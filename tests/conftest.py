@@ -311,6 +311,18 @@ class GatewayProcess:
         return self.proc.wait(timeout=timeout)
 
 
+def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
+    """``data`` cut at the offsets ``cuts`` (each taken modulo its length + 1), in order:
+    the reads a stream of ``data`` could arrive in."""
+    points = sorted({c % (len(data) + 1) for c in cuts})
+    pieces, last = [], 0
+    for p in points:
+        pieces.append(data[last:p])
+        last = p
+    pieces.append(data[last:])
+    return pieces
+
+
 async def until(predicate: Callable[[], Any], timeout: float = 5.0, step: float = 0.01) -> None:
     """Poll ``predicate`` on the loop until it is true; fail the test after ``timeout`` s."""
     deadline = time.monotonic() + timeout

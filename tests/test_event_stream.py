@@ -28,6 +28,7 @@ from gateway.providers.base import (
     stream_chunks,
     watched,
 )
+from tests.conftest import split_at
 
 
 async def _reference_iter_events(
@@ -81,16 +82,6 @@ async def _aiter(parts: list[bytes]) -> AsyncIterator[bytes]:
         yield part
 
 
-def _split(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    pieces, last = [], 0
-    for p in points:
-        pieces.append(data[last:p])
-        last = p
-    pieces.append(data[last:])
-    return pieces
-
-
 async def _drain(events: AsyncIterator[bytes]) -> tuple[list[bytes], BaseException | None]:
     out: list[bytes] = []
     try:
@@ -121,10 +112,10 @@ _streams = st.lists(_atoms, max_size=40).map(b"".join)
 
 @settings(suppress_health_check=[HealthCheck.too_slow], max_examples=400, deadline=None)
 @given(_streams, st.lists(st.integers(min_value=0), max_size=12), st.sampled_from([MAX_EVENT_BYTES, 8, 20]))
-def test_the_splitter_gives_what_the_old_reader_gave_whatever_the_split(
+def test_the_splitter_gives_what_the_old_reader_gave_whatever_thesplit_at(
     stream: bytes, cuts: list[int], limit: int
 ) -> None:
-    parts = _split(stream, cuts)
+    parts = split_at(stream, cuts)
 
     async def run() -> None:
         expected, error = await _drain(_reference_iter_events(_aiter(parts), max_event_bytes=limit))
@@ -199,7 +190,7 @@ def _stream(reads: list[bytes | BaseException], translate: Callable[[bytes], lis
 @settings(suppress_health_check=[HealthCheck.too_slow], max_examples=150, deadline=None)
 @given(_streams, st.lists(st.integers(min_value=0), max_size=12))
 def test_the_stream_gives_what_the_generator_layers_gave(stream: bytes, cuts: list[int]) -> None:
-    parts = [part for part in _split(stream, cuts) if part]  # aiohttp reads b"" only at the end
+    parts = [part for part in split_at(stream, cuts) if part]  # aiohttp reads b"" only at the end
 
     async def run() -> None:
         expected, _ = await _drain(_reference_iter_events(_aiter(parts)))

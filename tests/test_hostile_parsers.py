@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from gateway.core.errors import InvalidRequest
 from gateway.edge.chat import parse_chat_body
 from gateway.protocols.sse import EventTooLarge, event_data, iter_events
+from tests.conftest import split_at
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
@@ -50,16 +51,6 @@ def _collect(parts: list[bytes], **kwargs: Any) -> list[bytes]:
     return asyncio.run(run())
 
 
-def _split(data: bytes, cuts: list[int]) -> list[bytes]:
-    points = sorted({c % (len(data) + 1) for c in cuts})
-    pieces, last = [], 0
-    for p in points:
-        pieces.append(data[last:p])
-        last = p
-    pieces.append(data[last:])
-    return pieces
-
-
 payload = st.binary(max_size=60).filter(lambda b: b"\n" not in b and b"\r" not in b)
 
 
@@ -67,7 +58,7 @@ payload = st.binary(max_size=60).filter(lambda b: b"\n" not in b and b"\r" not i
 @given(st.lists(payload, min_size=1, max_size=8), st.lists(st.integers(min_value=0), max_size=10))
 def test_sse_reader_yields_every_event_whatever_the_chunking(datas: list[bytes], cuts: list[int]) -> None:
     stream = b"".join(b"data: " + d + b"\n\n" for d in datas)
-    events = _collect(_split(stream, cuts))
+    events = _collect(split_at(stream, cuts))
     assert [event_data(e) for e in events] == datas
     assert b"".join(events) == stream  # byte for byte
 
@@ -75,7 +66,7 @@ def test_sse_reader_yields_every_event_whatever_the_chunking(datas: list[bytes],
 @settings(suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(st.binary(max_size=300), st.lists(st.integers(min_value=0), max_size=6))
 def test_sse_reader_never_loses_or_invents_bytes(data: bytes, cuts: list[int]) -> None:
-    events = _collect(_split(data, cuts))
+    events = _collect(split_at(data, cuts))
     normalised = data.replace(b"\r\n", b"\n")
     joined = b"".join(events)
     # Events carry every non-blank byte of the input, in order, each closed by a blank line.
@@ -120,12 +111,12 @@ def test_sse_reader_crlf_and_mixed_streams_whatever_the_chunking(
     case: tuple[bytes, list[bytes]], cuts: list[int]
 ) -> None:
     stream, datas = case
-    events = _collect(_split(stream, cuts))
+    events = _collect(split_at(stream, cuts))
     assert [event_data(e) for e in events] == datas
     assert b"".join(events) == stream.replace(b"\r\n", b"\n")
 
 
-def test_sse_reader_keeps_events_apart_when_a_crlf_blank_line_is_split() -> None:
+def test_sse_reader_keeps_events_apart_when_a_crlf_blank_line_issplit_at() -> None:
     events = _collect([b"data: a\r\n\r", b"\ndata: b\r\n\r\n"])
     assert [event_data(e) for e in events] == [b"a", b"b"]
 
@@ -151,7 +142,7 @@ def test_sse_reader_bounds_an_event_that_never_ends() -> None:
 
 def test_sse_reader_accepts_a_long_line_under_the_bound() -> None:
     big = b"data: " + b"y" * 3_000_000 + b"\n\n"
-    events = _collect(_split(big, [65536 * i for i in range(1, 40)]))
+    events = _collect(split_at(big, [65536 * i for i in range(1, 40)]))
     assert events == [big]
 
 
