@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter
 from datetime import datetime, timezone
 from decimal import Decimal
 from typing import Any
@@ -303,9 +304,12 @@ async def test_a_busy_budgeted_key_is_held_in_leases_and_its_spend_is_exact(
     # 10 USD: 100 calls of 0.1 USD; leases of 5 USD (50 calls) each.
     raw, record = await key_factory(budget_usd=Decimal("10"), budget_period="day", rate_limit_requests=100_000)
     statuses = await asyncio.gather(*(call(gw, raw) for _ in range(120)))
-    assert statuses.count(200) == 100 and statuses.count(402) == 20, statuses
-    assert (await fake.stats())["requests"] == 100  # a refused call sends nothing
     leases = gw.state.billing._gate.leases
+    # Failed once under a full tox run (77 admitted); the message says what the others got
+    # and what the leases did, for the next time.
+    assert statuses.count(200) == 100 and statuses.count(402) == 20, (
+        Counter(statuses), leases.granted, leases.admitted)
+    assert (await fake.stats())["requests"] == 100  # a refused call sends nothing
     assert leases.granted == 2 and leases.admitted == 100
     assert await gw.state.billing.flush()
     assert await ledger_spend(db_pool, record.api_key_id) == Decimal("10")
