@@ -472,6 +472,11 @@ async def make_store(database_url: str, db_pool: asyncpg.Pool, redis_url: str) -
             client.faults = faults
             store = RedisReservations(client, db_pool, prefix=f"test-{uuid.uuid4().hex[:8]}:budget")
             client.reserve_sha = store._reserve_script.sha
+            # Loaded beforehand: on a Redis whose script cache is empty (a fresh server, a
+            # SCRIPT FLUSH) redis-py's first EVALSHA answers NOSCRIPT and is sent again,
+            # which the counts would take for a second round trip.
+            for script in (store._reserve_script, store._settle_script, store._resize_script):
+                await client.script_load(script.script)
         stores.append(store)
         return store
 

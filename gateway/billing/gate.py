@@ -117,6 +117,15 @@ class BudgetGate:
                 if lease_size and (held := await self.leases.acquire(budgets, amount, call_id, lease_size)):
                     return held
                 refused = await self.store.reserve(reservation, self.ttl)
+                if refused is not None and lease_size:
+                    # The store's count includes this process's own leases: take from one
+                    # granted meanwhile, or have retired ones give back what they never
+                    # used and ask once more, so one replica never refuses a call for room
+                    # it holds itself.
+                    if (held := await self.leases.take_after_refusal(budgets, amount, call_id)) is not None:
+                        return held
+                    if await self.leases.give_back(budgets):
+                        refused = await self.store.reserve(reservation, self.ttl)
         except Exception as exc:
             log.warning("billing: budget store unreachable (%s: %s); budgeted calls refused",
                         type(exc).__name__, exc or f"no answer within {RESERVE_TIMEOUT:g} s")
@@ -126,8 +135,6 @@ class BudgetGate:
             ) from exc
         if refused is None:
             return reservation
-        if lease_size and (held := self.leases.take(budgets, amount, call_id)) is not None:
-            return held  # a lease of ours granted meanwhile holds what the store had left
         budget = budgets[refused]
         whose = "this key's budget" if budget.scope == "key" else "the budget of this key's subject"
         raise BudgetExceeded(

@@ -23,8 +23,9 @@ calls now and then (less than once a ``seconds``) then finds a lease, and its ca
 no round trip; a call that leaves the standby less than one more call's room asks for a
 full lease in the background, which replaces the standby when granted. A standby retires
 ``standby_seconds`` after it began, or when a call does not fit. A retired lease:
-what it never used is given back at once (its amount shrinks to what its calls still
-hold and have spent), and the lease itself is released when its last call has ended and,
+what it never used is given back by the next sweep (its amount shrinks to what its calls
+still hold and have spent), or at once when the store refuses a call of its budgets
+meanwhile (:meth:`BudgetLeases.give_back`; the call is then asked for again), and the lease itself is released when its last call has ended and,
 in PostgreSQL, every call of it that cost anything has its ledger row (whose trigger added
 the cost to ``budget_spend``; until then the lease keeps counting that cost itself, so
 it is never counted nowhere). In Redis the lease is settled at the sum of its calls' real
@@ -73,7 +74,7 @@ class Lease:
     """One lease: its reservation (id, amount, budgets) and what its calls use of it."""
 
     __slots__ = ("admits_until", "amount", "costly_calls", "expires_at", "free", "largest", "open", "renew_at",
-                 "renewing", "reservation", "retired", "shrunk", "spent", "standby")
+                 "renewing", "reservation", "retired", "shrinking", "shrunk", "spent", "standby")
 
     def __init__(
         self, reservation: Reservation, admits_until: float, expires_at: float, renew_at: float, largest: int = 0,
@@ -99,6 +100,8 @@ class Lease:
         #: Calls that ended with a cost: PostgreSQL releases the lease once all are ledgered.
         self.costly_calls: list[uuid.UUID] = []
         self.retired = False
+        #: Retired: the store told to hold just what its calls hold and have spent (or telling it).
+        self.shrinking: asyncio.Task[None] | None = None
         self.shrunk = False
 
 
@@ -192,6 +195,18 @@ class BudgetLeases:
             if await asyncio.shield(opening) is None:
                 return None
         return None
+
+    async def take_after_refusal(
+        self, budgets: tuple[Budget, ...], amount: int, call_id: uuid.UUID
+    ) -> Reservation | None:
+        """:meth:`take`, for a call the store refused on its own: a lease of ours granted
+        meanwhile, or still being granted, holds what the store had left, so wait for it
+        (without asking for one: the budget is nearly spent)."""
+        opening = self._opening.get(budgets)
+        if opening is not None:
+            with contextlib.suppress(Exception):  # its own waiters read its failure
+                await asyncio.shield(opening)
+        return self.take(budgets, amount, call_id)
 
     def _start_opening(
         self, budgets: tuple[Budget, ...], size: int, *, renewal: bool, largest: int,
@@ -299,9 +314,37 @@ class BudgetLeases:
                 if await self.store.release_lease(lease.reservation, lease.spent, lease.costly_calls):
                     self._forget(lease)
             elif not lease.shrunk:
-                held = lease.amount - lease.free
-                await self.store.resize(lease.reservation, max(held, 0))
-                lease.shrunk = True
+                await self._shrink(lease)
+
+    async def give_back(self, budgets: tuple[Budget, ...]) -> bool:
+        """Shrink this process's retired leases on any of ``budgets`` now, not at the next
+        sweep: a call the store refused may fit in what they never used (a lease retired
+        on its time with room left, say, while the calls of a burst still arrive), and this
+        process must not refuse a call for room it holds itself. True when any was (or was
+        being) shrunk, so that asking the store once more may admit the call."""
+        shrinks = [self._shrink(lease) for lease in self._retired
+                   if not lease.shrunk and any(budget in budgets for budget in lease.reservation.budgets)]
+        for shrink in shrinks:
+            await shrink
+        return bool(shrinks)
+
+    def _shrink(self, lease: Lease) -> asyncio.Task[None]:
+        """The store told to hold for a retired ``lease`` just what its calls still hold and
+        have spent: one round trip, shared by the sweep and every call waiting for it."""
+        if lease.shrinking is None:
+            lease.shrinking = asyncio.get_running_loop().create_task(
+                self._resize_retired(lease), name="billing:lease-shrink", context=contextvars.Context())
+            lease.shrinking.add_done_callback(_retrieve)
+        return lease.shrinking
+
+    async def _resize_retired(self, lease: Lease) -> None:
+        try:
+            # A retired lease's ``free`` no longer moves (its calls' ends only add to
+            # ``spent``), so what it holds is fixed from its retirement on.
+            await self.store.resize(lease.reservation, max(lease.amount - lease.free, 0))
+        finally:
+            lease.shrinking = None  # a failed resize is tried again by the next sweep
+        lease.shrunk = True
 
     async def _stand_by(self, lease: Lease, now: float) -> None:
         """A lease past its time, with no successor: cut down to what its calls hold and
@@ -345,7 +388,7 @@ class BudgetLeases:
         return len(self._active) + len(self._next) + len(self._retired)
 
 
-def _retrieve(task: asyncio.Task[Lease | None]) -> None:
-    """A lease's failure reaches its waiters; none may be left to read it."""
+def _retrieve(task: asyncio.Task[Lease | None] | asyncio.Task[None]) -> None:
+    """A lease's (or a shrink's) failure reaches its waiters; none may be left to read it."""
     if not task.cancelled():
         task.exception()
