@@ -2,8 +2,9 @@
 response cache, on every route: a crash between the two then loses the end of an answer
 (the client retries), never the ledger row of one it was served.
 
-The order is read on the gateway's own side: ``StreamResponse.write`` is wrapped to note
-when the end marker goes out, and a call listener (after billing's, which appends the
+The order is read on the gateway's own side: ``StreamResponse.write`` and ``write_eof``
+(which sends a stream's end with the body's last chunk) are wrapped to note when the end
+marker goes out, and a call listener (after billing's, which appends the
 journal line) notes when the record is final.
 """
 
@@ -25,16 +26,25 @@ END_MARKERS = (b"data: [DONE]", b"event: message_stop", b"event: response.comple
 
 def _watch_order(monkeypatch: pytest.MonkeyPatch, gw: Gateway) -> list[str]:
     order: list[str] = []
-    original = web.StreamResponse.write
+    original_write, original_eof = web.StreamResponse.write, web.StreamResponse.write_eof
 
-    async def write(self: web.StreamResponse, data: bytes | bytearray | memoryview) -> None:
+    def note(data: bytes | bytearray | memoryview) -> None:
         if any(marker in bytes(data) for marker in END_MARKERS):
             order.append("end sent")
         elif data:
             order.append("chunk sent")
-        await original(self, data)
+
+    async def write(self: web.StreamResponse, data: bytes | bytearray | memoryview) -> None:
+        note(data)
+        await original_write(self, data)
+
+    async def write_eof(self: web.StreamResponse, data: bytes = b"") -> None:
+        if not self._eof_sent:
+            note(data)
+        await original_eof(self, data)
 
     monkeypatch.setattr(web.StreamResponse, "write", write)
+    monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof)
     gw.state.call_listeners.append(lambda record: order.append(f"journaled {record.cache}"))
     return order
 
@@ -79,3 +89,39 @@ async def test_a_streamed_answer_is_journaled_before_its_end_live_and_from_the_c
     # What the answer holds goes first, then its row, then its end: nothing after.
     assert order[0] == "chunk sent" and order[-2:] == ["journaled hit", "end sent"], order
     assert order.count("journaled hit") == 1
+
+
+@pytest.mark.parametrize("route", [_chat, _messages, _responses], ids=["chat", "messages", "responses"])
+async def test_a_streamed_answer_s_end_goes_out_with_the_body_s_end_in_one_write(
+    gateway_factory: Any, fake: FakeUpstream, api_key: str, monkeypatch: pytest.MonkeyPatch, route: Any,
+) -> None:
+    """The end marker is handed to ``write_eof`` (chunked encoding's last chunk goes with
+    it): one socket write per stream, not one for the end and one for the terminator."""
+    gw: Gateway = await gateway_factory(config_yaml=cached_config(fake.url))
+    writes: list[bytes] = []
+    ends: list[bytes] = []
+    original_write, original_eof = web.StreamResponse.write, web.StreamResponse.write_eof
+
+    # The fake provider answers in this process too: only the gateway's answers count.
+    async def write(self: web.StreamResponse, data: bytes | bytearray | memoryview) -> None:
+        if "x-gateway-cache" in self.headers:
+            writes.append(bytes(data))
+        await original_write(self, data)
+
+    async def write_eof(self: web.StreamResponse, data: bytes = b"") -> None:
+        if not self._eof_sent and "x-gateway-cache" in self.headers:
+            ends.append(bytes(data))
+        await original_eof(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+    monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof)
+    for expected in ("miss", "hit"):
+        writes.clear()
+        ends.clear()
+        resp = await route(gw, api_key)()
+        assert resp.status == 200 and resp.headers["x-gateway-cache"] == expected
+        raw = await resp.read()
+        assert len(ends) == 1 and any(marker in ends[0] for marker in END_MARKERS), ends
+        assert ends[0] and raw.endswith(ends[0])
+        assert not any(marker in w for w in writes for marker in END_MARKERS), writes
+        await settle(gw, 1)

@@ -212,15 +212,15 @@ async def _record_then_end(
     """Finish the record (billing journals it before this returns), then send the stream's
     ``ending``: a crash between the two loses an answer's end (the client retries), never
     the row of one it was served. Every streamed answer ends through here, live or from the
-    cache; a whole answer needs none (its record is finished before aiohttp sends the body)."""
+    cache; a whole answer needs none (its record is finished before aiohttp sends the body).
+    The ending goes out with the body's end (chunked encoding's last chunk): one write, not two."""
     record.latency = time.monotonic() - started
     record.cache = cache_status
     _finish(state, record)
-    if ending:
-        try:
-            await response.write(ending)
-        except ConnectionError:
-            pass  # gone before the last bytes: the call was served and is recorded as such
+    try:
+        await response.write_eof(ending)
+    except ConnectionError:
+        pass  # gone before the last bytes: the call was served and is recorded as such
 
 
 async def _replay_in(
