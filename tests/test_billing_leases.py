@@ -184,6 +184,37 @@ async def test_a_call_refused_for_room_a_retired_lease_of_ours_never_used_is_adm
 
 
 @pytest.mark.parametrize("kind", STORES)
+async def test_a_call_that_stops_waiting_for_a_lease_to_give_back_leaves_the_shrink_to_finish(
+    kind: str, make_store: Any, db_pool: asyncpg.Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The shrink is shared by the sweep and every refused call: a call whose wait for the
+    store runs out (503) must not cancel it for the others."""
+    store, budget = await budget_store(kind, make_store, 100_000)
+    clock = Clock()
+    gate = leased_gate(store, clock=clock)
+    assert await store.reserve(Reservation(uuid.uuid4(), 90_000, (budget,)), 60) is None  # someone else's
+    lease = (await hold(gate, budget, 1_000)).lease
+    assert lease is not None
+    clock.now += 1.0
+    resizing, go_on = asyncio.Event(), asyncio.Event()
+    resize = store.resize
+
+    async def held_resize(*args: Any) -> None:
+        resizing.set()
+        await go_on.wait()
+        await resize(*args)
+
+    store.resize = held_resize
+    monkeypatch.setattr("gateway.billing.gate.RESERVE_TIMEOUT", 0.3)
+    with pytest.raises(ServiceUnavailable):
+        await hold(gate, budget, 1_000)  # refused, then gives up waiting for the shrink
+    assert resizing.is_set() and lease.shrinking is not None and not lease.shrinking.cancelled()
+    go_on.set()
+    await until(lambda: lease.shrunk, timeout=2.0)
+    assert await open_reservations(kind, store, db_pool, budget) == 90_000 + 1_000
+
+
+@pytest.mark.parametrize("kind", STORES)
 async def test_a_lease_in_its_last_quarter_has_its_successor_granted_before_any_call_waits(
     kind: str, make_store: Any, db_pool: asyncpg.Pool
 ) -> None:

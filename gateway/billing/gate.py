@@ -122,7 +122,7 @@ class BudgetGate:
                     # granted meanwhile, or have retired ones give back what they never
                     # used and ask once more, so one replica never refuses a call for room
                     # it holds itself.
-                    if (held := await self.leases.take_after_refusal(budgets, amount, call_id)) is not None:
+                    if (held := self.leases.take(budgets, amount, call_id)) is not None:
                         return held
                     if await self.leases.give_back(budgets):
                         refused = await self.store.reserve(reservation, self.ttl)

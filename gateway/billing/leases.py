@@ -25,8 +25,8 @@ full lease in the background, which replaces the standby when granted. A standby
 ``standby_seconds`` after it began, or when a call does not fit. A retired lease:
 what it never used is given back by the next sweep (its amount shrinks to what its calls
 still hold and have spent), or at once when the store refuses a call of its budgets
-meanwhile (:meth:`BudgetLeases.give_back`; the call is then asked for again), and the lease itself is released when its last call has ended and,
-in PostgreSQL, every call of it that cost anything has its ledger row (whose trigger added
+meanwhile (:meth:`BudgetLeases.give_back`; the call is then asked for again), and the
+lease itself is released when its last call has ended and, in PostgreSQL, every call of it that cost anything has its ledger row (whose trigger added
 the cost to ``budget_spend``; until then the lease keeps counting that cost itself, so
 it is never counted nowhere). In Redis the lease is settled at the sum of its calls' real
 costs, as one call's reservation is.
@@ -196,18 +196,6 @@ class BudgetLeases:
                 return None
         return None
 
-    async def take_after_refusal(
-        self, budgets: tuple[Budget, ...], amount: int, call_id: uuid.UUID
-    ) -> Reservation | None:
-        """:meth:`take`, for a call the store refused on its own: a lease of ours granted
-        meanwhile, or still being granted, holds what the store had left, so wait for it
-        (without asking for one: the budget is nearly spent)."""
-        opening = self._opening.get(budgets)
-        if opening is not None:
-            with contextlib.suppress(Exception):  # its own waiters read its failure
-                await asyncio.shield(opening)
-        return self.take(budgets, amount, call_id)
-
     def _start_opening(
         self, budgets: tuple[Budget, ...], size: int, *, renewal: bool, largest: int,
     ) -> asyncio.Task[Lease | None]:
@@ -314,7 +302,7 @@ class BudgetLeases:
                 if await self.store.release_lease(lease.reservation, lease.spent, lease.costly_calls):
                     self._forget(lease)
             elif not lease.shrunk:
-                await self._shrink(lease)
+                await asyncio.shield(self._shrink(lease))  # the sweeper stopped at close: close's sweep shares it
 
     async def give_back(self, budgets: tuple[Budget, ...]) -> bool:
         """Shrink this process's retired leases on any of ``budgets`` now, not at the next
@@ -325,7 +313,9 @@ class BudgetLeases:
         shrinks = [self._shrink(lease) for lease in self._retired
                    if not lease.shrunk and any(budget in budgets for budget in lease.reservation.budgets)]
         for shrink in shrinks:
-            await shrink
+            # Shielded: a call that stops waiting (its timeout) leaves the shrink to finish
+            # for the sweep and the other calls sharing it.
+            await asyncio.shield(shrink)
         return bool(shrinks)
 
     def _shrink(self, lease: Lease) -> asyncio.Task[None]:
