@@ -248,6 +248,8 @@ class StackOptions:
     keep_logs: bool = False
     #: Extra environment for the gateway (``--gateway-env LOG_LEVEL=warning``), for A/B runs.
     gateway_env: dict[str, str] = field(default_factory=dict)
+    #: Extra environment for the bare relays (``bench.opcodes`` counts their instructions).
+    bare_env: dict[str, str] = field(default_factory=dict)
     #: ``serve --workers N``; with N > 1 the gateway is not pinned (its workers need every CPU).
     gateway_workers: int = 1
     #: Give the bench key its USD 1,000,000 budget (a reservation on every call); False
@@ -342,7 +344,7 @@ class Stack:
                 self.bare_procs[profile.name] = self._spawn(
                     f"bare-{profile.name}",
                     [sys.executable, "-m", "bench.bare_relay", str(port), self.fakes[profile.name]],
-                    cpu=self.server_cpu,
+                    cpu=self.server_cpu, env={**self._base_env(), **self.options.bare_env},
                 )
                 self.bares[profile.name] = f"http://127.0.0.1:{port}"
             await asyncio.gather(

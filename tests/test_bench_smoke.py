@@ -99,3 +99,20 @@ async def test_server_cpu_splits_a_stream_into_per_chunk_and_per_stream_and_meas
             await main(["--stream", *bad, "--variant", f"here={REPO}"])
     with pytest.raises(SystemExit):
         await main(["--chunks", "2,6", "--variant", f"here={REPO}"])  # lengths are for streams
+
+
+async def test_opcodes_counts_each_variants_instructions_per_request(
+    pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.opcodes import main
+
+    monkeypatch.setenv("BENCH_PG_ADMIN_DSN", pg_admin_dsn)
+    bare, gateway = await main(["--seconds", "1", "--top", "5"])
+    assert (bare.name, gateway.name) == ("bare", "gateway")
+    assert bare.requests > 0 and gateway.requests > 0
+    # Each server's own code is in its counts and only there: the counts are of that process.
+    assert bare.areas().get("bare relay", 0) > 0 and "gateway" not in bare.areas()
+    assert gateway.areas().get("gateway", 0) > 0 and "bare relay" not in gateway.areas()
+    assert gateway.functions[("aiohttp/web_request.py", "__init__", 179)][1] == gateway.requests
+    out = capsys.readouterr().out
+    assert "| bare | " in out and "| gateway | " in out and "instructions per request" in out
