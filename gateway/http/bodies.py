@@ -43,7 +43,8 @@ async def read_json_body(request: web.Request, limit: int) -> dict[str, Any]:
 
 async def read_body(request: web.Request, limit: int) -> bytes:
     """The request's raw body; 413 over ``limit`` bytes, 408 if it arrives too slowly."""
-    if request.content_length is not None and request.content_length > limit:
+    declared = request.content_length  # a property that parses the header each time
+    if declared is not None and declared > limit:
         raise RequestTooLarge(f"request body over {limit} bytes")
     # Whole body: content.read(n) returns what has arrived so far, not n bytes. aiohttp's
     # own cap (client_max_size, just above the limit) answers 413 for a chunked giant.

@@ -349,7 +349,26 @@ class SlidingCounter(MemoryCounter):
         # Each index from its own division, as the library computes them.
         if int(position) != self._window or int(previous_position) != self._previous:
             self._keys(int(position), int(previous_position))
-        return position, previous_position, self._get(self._previous_key, now), self._get(self._current_key, now)
+        # Both counters as _get reads them, inline (four of a request's nine reads are here):
+        # a live one from the storage, an expired one forgotten, a missing one 0.
+        local = self.local
+        expirations = local.expirations
+        previous_key, current_key = self._previous_key, self._current_key
+        expires = expirations.get(previous_key)
+        if expires is None:
+            previous_count = 0
+        elif expires > now:
+            previous_count = local.storage.get(previous_key, 0)
+        else:
+            previous_count = self._get(previous_key, now)
+        expires = expirations.get(current_key)
+        if expires is None:
+            current_count = 0
+        elif expires > now:
+            current_count = local.storage.get(current_key, 0)
+        else:
+            current_count = self._get(current_key, now)
+        return position, previous_position, previous_count, current_count
 
     def _take(self, now: float, current_count: int, cost: int) -> None:
         # As the library: a new current counter lives two windows (it is next window's previous).
