@@ -69,6 +69,7 @@ from gateway.cache.semantic import (
 )
 from gateway.cache.store import ByteLRU, CacheEntry, decode_entry, encode_entry
 from gateway.core.config import CachePolicy, CacheSettings, ConfigError, GatewayConfig
+from gateway.core.redis import connection_pool
 
 __all__ = ["CacheActor", "CacheCounters", "CacheHandle", "Purge", "start_cache"]
 
@@ -253,8 +254,8 @@ class CacheActor(Actor[CacheMessage]):
     async def on_start(self) -> None:
         loop = asyncio.get_running_loop()
         if self._redis_url:
-            pool = aioredis.BlockingConnectionPool.from_url(
-                self._redis_url, max_connections=MAX_REDIS_CONNECTIONS, timeout=REDIS_TIMEOUT,
+            pool = connection_pool(
+                self._redis_url, blocking=True, max_connections=MAX_REDIS_CONNECTIONS, timeout=REDIS_TIMEOUT,
                 socket_timeout=2.0, socket_connect_timeout=1.0, health_check_interval=15,
             )
             self.redis = aioredis.Redis(connection_pool=pool)

@@ -88,8 +88,8 @@ class Counts:
         return dict(out)
 
 
-def _short(path: str) -> str:
-    for cut in ("site-packages/", "/lib/python3", str(REPO) + "/"):
+def _short(path: str, tree: Path = REPO) -> str:
+    for cut in ("site-packages/", "/lib/python3", str(tree) + "/", str(REPO) + "/"):
         if cut in path:
             tail = path.split(cut, 1)[1]
             return tail.split("/", 1)[1] if cut == "/lib/python3" and "/" in tail else tail
@@ -137,7 +137,7 @@ async def measure(variant: Variant, *, stream: bool, chunks: int, seconds: float
         raise RuntimeError(f"{variant.name}: no request succeeded ({dict(result.errors)})")
     functions: dict[tuple[str, str, int], list[int]] = {}
     for path, func, line, instructions, calls in rows:
-        key = (_short(path), func, line)
+        key = (_short(path, tree), func, line)
         have = functions.setdefault(key, [0, 0])
         have[0] += instructions
         have[1] += calls

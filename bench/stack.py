@@ -454,7 +454,7 @@ class Stack:
         env.update(self.options.gateway_env)
         if self.options.redis_url:
             env["REDIS_URL"] = self.options.redis_url
-        else:
+        elif "REDIS_URL" not in self.options.gateway_env:  # a variant's own REDIS_URL is kept
             env.pop("REDIS_URL", None)
         argv = [sys.executable, "-m", "gateway", "serve"]
         workers = self.options.gateway_workers

@@ -640,12 +640,13 @@ def open_reservations(
     (from :func:`connect_reservation_pool`) is the PostgreSQL store's own, closed with it."""
     if not redis_url:
         return PostgresReservations(pool, own_pool=reservation_pool)
-    import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
+    from gateway.core.redis import redis_client
+
     # Fail fast, never retry by itself: an unreachable Redis is answered 503 at once.
-    client = aioredis.Redis.from_url(
+    client = redis_client(
         redis_url, socket_timeout=1.0, socket_connect_timeout=1.0, retry=Retry(NoBackoff(), 0)
     )
     return RedisReservations(client, pool, prefix=f"{key_prefix}:budget")

@@ -44,7 +44,6 @@ from datetime import datetime, timezone
 from typing import Any
 
 import asyncpg
-import redis.asyncio as aioredis
 from limits import RateLimitItem, RateLimitItemPerSecond
 from limits.aio.storage import MemoryStorage, SlidingWindowCounterSupport, Storage
 from limits.aio.storage.redis.bridge import RedisBridge
@@ -53,6 +52,8 @@ from limits.util import WindowStats
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
+
+from gateway.core.redis import redis_client
 
 __all__ = [
     "STORAGE_ERRORS",
@@ -451,7 +452,7 @@ class RedisWindowStorage(Storage, SlidingWindowCounterSupport):
     def __init__(self, url: str, *, key_prefix: str, timeout: float = 1.0) -> None:
         url = url.removeprefix("async+")
         super().__init__(url)
-        self._client = aioredis.Redis.from_url(
+        self._client = redis_client(
             url,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
