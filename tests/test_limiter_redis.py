@@ -108,3 +108,37 @@ async def test_a_redis_outage_falls_back_to_memory_and_heals(
     await asyncio.sleep(0.05)
     assert await redis.slots_held(f"conc/{record.api_key_id}") == 0
     assert not gw.state.limiter._actor.inflight
+
+
+async def test_a_redis_that_stops_answering_fails_each_pipeline_within_the_timeout_and_recovers(
+    redis_url: str, redis_proxy: Any, redis_prefix: str
+) -> None:
+    # A silent Redis (replies held, the connection open) must fail a decision within the
+    # storage's timeout, so the limiter falls back to memory, and the connection it
+    # abandoned must not hand a later pipeline the replies meant for this one.
+    from limits import RateLimitItemPerSecond
+
+    from gateway.limits.storage import STORAGE_ERRORS, Windows
+
+    storage = RedisWindowStorage(redis_via(redis_url, redis_proxy.port), key_prefix=redis_prefix, timeout=0.3)
+    windows = Windows("redis", storage, "sliding-window")
+    item = RateLimitItemPerSecond(100, 60)
+    try:
+        assert await windows.hit(item, "k")
+        redis_proxy.pause()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(STORAGE_ERRORS):
+            await windows.hit(item, "k")
+        assert 0.25 <= loop.time() - started < 2.0
+        assert not await storage.check()  # the health probe is bounded too
+        redis_proxy.resume()
+        assert await storage.check()
+        # The pipeline that timed out took nothing from a later one: counts are exact.
+        stats = await windows.stats(item, "k")
+        assert stats.remaining in (98, 99)  # the held hit may or may not have reached Redis
+        assert await windows.hit(item, "k")
+        assert (await windows.stats(item, "k")).remaining == stats.remaining - 1
+    finally:
+        redis_proxy.resume()
+        await storage.close()
