@@ -434,6 +434,71 @@ async def test_a_lease_past_its_time_stands_by_and_a_seldom_call_makes_no_round_
 
 
 @pytest.mark.parametrize("kind", STORES)
+async def test_a_call_that_finds_its_lease_past_its_time_before_the_sweep_stands_it_by(
+    kind: str, make_store: Any, db_pool: asyncpg.Pool
+) -> None:
+    """The sweep runs every half lease, so a budget called about once a lease's time found
+    its lease past its time and not yet standing by on about every other call: it retired
+    the lease and waited for a new one, a round trip before its first byte. Such a call
+    stands the lease by itself, is admitted from it at once, and the store is told the
+    cut-down amount in the background."""
+    faults = Faults()
+    store, budget = await budget_store(kind, make_store, 1_000_000, faults)
+    clock = Clock()
+    gate = leased_gate(store, clock=clock, standby=30.0)  # leases of 100,000
+    first = await hold(gate, budget, 1_000)
+    gate.settles_at_once(first, 400)
+    assert faults.round_trips == 1
+    clock.now += 1.5  # past the lease's second; no sweep has run
+    seldom = await hold(gate, budget, 1_000)
+    lease = seldom.lease
+    assert lease is first.lease and lease.standby
+    assert faults.round_trips == 1 and gate.leases.granted == 1  # admitted in memory
+    assert lease.resizing is not None  # the store is told without the call waiting
+    await lease.resizing
+    # Its spend (400) and two calls' room (2 x 1,000), this call's hold in it.
+    assert await open_reservations(kind, store, db_pool, budget) == 2_400
+    gate.settles_at_once(seldom, 400)
+    clock.now += 1.5
+    last = await hold(gate, budget, 1_000)  # from the standby; it leaves it low: a full lease is asked for
+    assert last.lease is lease and faults.round_trips == 1
+    await until(lambda: gate.leases.granted == 2, timeout=2.0)
+    await gate.leases.sweep()  # the standby, retired, holds its open call and its spend
+    assert await open_reservations(kind, store, db_pool, budget) == 100_000 + 400 + 400 + 1_000
+
+
+async def test_a_standby_cut_the_store_refuses_leaves_the_lease_holding_its_whole_amount(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The background update failing costs only over-holding: the call was admitted, the
+    lease admits on from what it kept, and the store goes on counting the whole lease."""
+
+    class RefusingResize:
+        settles_explicitly = False
+
+        async def reserve(self, reservation: Reservation, ttl: float) -> int | None:
+            return None
+
+        async def resize(self, lease: Reservation, amount: int) -> None:
+            raise ConnectionError("store gone")
+
+    budget = key_budget(1_000_000)
+    clock = Clock()
+    gate = leased_gate(RefusingResize(), clock=clock, standby=30.0)
+    first = await hold(gate, budget, 1_000)
+    gate.settles_at_once(first, 400)
+    clock.now += 1.5
+    seldom = await hold(gate, budget, 1_000)
+    lease = seldom.lease
+    assert lease is first.lease and lease.standby and lease.resizing is not None
+    with caplog.at_level("WARNING", logger="gateway.billing"):
+        await lease.resizing
+    assert lease.resizing is None
+    assert "could not cut a standing-by budget lease down" in caplog.text
+    assert lease.free == 1_000 and lease.amount == 2_400  # what it admits from: never more than the store holds
+
+
+@pytest.mark.parametrize("kind", STORES)
 async def test_a_standby_admits_only_its_room_and_retires_unused_after_its_time(
     kind: str, make_store: Any, db_pool: asyncpg.Pool
 ) -> None:

@@ -17,7 +17,8 @@ A lease admits calls for ``seconds`` (or until it cannot fit the next one), then
 in its last quarter (of time, or of headroom) the next one is asked for in the background,
 so a steadily busy budget's calls never wait for the store. A lease whose time is over
 with no successor (its budget's calls stopped, or come seldom) *stands by* instead, for
-``standby_seconds``: it is cut down to what its calls still hold and have spent plus
+``standby_seconds`` (stood by by the sweep, every half lease, or by the first call that
+finds it past its time, which then tells the store in the background): it is cut down to what its calls still hold and have spent plus
 room for two calls as large as the largest it admitted, and admits from that. A key that
 calls now and then (less than once a ``seconds``) then finds a lease, and its call makes
 no round trip; a call that leaves the standby less than one more call's room asks for a
@@ -74,7 +75,7 @@ class Lease:
     """One lease: its reservation (id, amount, budgets) and what its calls use of it."""
 
     __slots__ = ("admits_until", "amount", "costly_calls", "expires_at", "free", "largest", "open", "renew_at",
-                 "renewing", "reservation", "retired", "shrinking", "shrunk", "spent", "standby")
+                 "renewing", "reservation", "resizing", "retired", "shrinking", "shrunk", "spent", "standby")
 
     def __init__(
         self, reservation: Reservation, admits_until: float, expires_at: float, renew_at: float, largest: int = 0,
@@ -103,6 +104,8 @@ class Lease:
         #: Retired: the store told to hold just what its calls hold and have spent (or telling it).
         self.shrinking: asyncio.Task[None] | None = None
         self.shrunk = False
+        #: Stood by by a call (not the sweep): the store told the cut-down amount, in the background.
+        self.resizing: asyncio.Task[None] | None = None
 
 
 class BudgetLeases:
@@ -164,6 +167,11 @@ class BudgetLeases:
             lease = self._active.get(budgets) or self._promote(budgets)
             if lease is None:
                 return None
+            if now >= lease.admits_until and self._may_stand_by(lease, budgets):
+                # Past its time before the sweep (every half lease) stood it by: a budget
+                # called about once a lease's time found it so on about every other call
+                # and waited for a new lease. It stands by now, as the sweep would have.
+                self._stand_by_soon(lease, now)
             if lease.free >= amount and now < lease.admits_until:
                 break
             self._retire(lease)  # then its successor, if one was granted ahead
@@ -286,16 +294,17 @@ class BudgetLeases:
         for lease in [*self._active.values(), *self._next.values()]:
             if now < lease.admits_until:
                 continue
-            budgets = lease.reservation.budgets
-            if (self._standby_seconds > 0 and not lease.standby and self._active.get(budgets) is lease
-                    and budgets not in self._next and budgets not in self._opening):
-                await self._stand_by(lease, now)
+            if self._may_stand_by(lease, lease.reservation.budgets):
+                if (amount := self._stand_by(lease, now)) is not None:
+                    await self.store.resize(lease.reservation, amount)
             else:
                 self._retire(lease)
         # Each retired lease stays listed (and counted in ``held``) until the store has let
         # it go: taken off the list while its release was in flight, it was held by
         # nobody's count, and a caller reading ``held == 0`` could find its row still there.
         for lease in list(self._retired):
+            if lease.resizing is not None:
+                await asyncio.shield(lease.resizing)  # the store's updates of one lease land in order
             if now >= lease.expires_at:
                 self._forget(lease)  # the store no longer counts it
             elif lease.open == 0:
@@ -328,6 +337,8 @@ class BudgetLeases:
         return lease.shrinking
 
     async def _resize_retired(self, lease: Lease) -> None:
+        if lease.resizing is not None:
+            await asyncio.shield(lease.resizing)  # a standby's cut first: the store's updates land in order
         try:
             # A retired lease's ``free`` no longer moves (its calls' ends only add to
             # ``spent``), so what it holds is fixed from its retirement on.
@@ -336,20 +347,47 @@ class BudgetLeases:
             lease.shrinking = None  # a failed resize is tried again by the next sweep
         lease.shrunk = True
 
-    async def _stand_by(self, lease: Lease, now: float) -> None:
+    def _may_stand_by(self, lease: Lease, budgets: tuple[Budget, ...]) -> bool:
+        """Whether ``lease``, past its time, stands by rather than retiring: standbys are
+        on, it is not one already, it admits for ``budgets``, and no successor is granted
+        or being asked for."""
+        return (self._standby_seconds > 0 and not lease.standby and self._active.get(budgets) is lease
+                and budgets not in self._next and budgets not in self._opening)
+
+    def _stand_by(self, lease: Lease, now: float) -> int | None:
         """A lease past its time, with no successor: cut down to what its calls hold and
         have spent plus two calls' room, it admits on for ``standby_seconds``; a call that
-        leaves it less than one more call's room asks for a full successor."""
+        leaves it less than one more call's room asks for a full successor. Returns what
+        the store must now hold for it (None: what it holds already)."""
         lease.standby = True
         lease.admits_until = lease.renew_at = now + self._standby_seconds
         lease.renewing = False
         cut = lease.free - 2 * lease.largest
-        if cut > 0:
-            # Taken from what calls may draw before the store is told, never after: the
-            # store holds at least what the lease may still admit, whatever the round trip does.
-            lease.free -= cut
-            lease.amount -= cut
-            await self.store.resize(lease.reservation, lease.amount)
+        if cut <= 0:
+            return None
+        # Taken from what calls may draw before the store is told, never after: the
+        # store holds at least what the lease may still admit, whatever the round trip does.
+        lease.free -= cut
+        lease.amount -= cut
+        return lease.amount
+
+    def _stand_by_soon(self, lease: Lease, now: float) -> None:
+        """:meth:`_stand_by` for a call, which does not wait for the store: until the
+        update lands (or if it fails) the store holds more than the lease needs, never less."""
+        amount = self._stand_by(lease, now)
+        if amount is not None:
+            lease.resizing = asyncio.get_running_loop().create_task(
+                self._resize_standby(lease, amount), name="billing:lease-standby", context=contextvars.Context())
+            lease.resizing.add_done_callback(_retrieve)
+
+    async def _resize_standby(self, lease: Lease, amount: int) -> None:
+        try:
+            await self.store.resize(lease.reservation, amount)
+        except Exception as exc:  # noqa: BLE001 - it holds the lease's whole amount until released
+            log.warning("billing: could not cut a standing-by budget lease down (%s: %s); it holds its whole "
+                        "amount until released", type(exc).__name__, exc)
+        finally:
+            lease.resizing = None
 
     def _forget(self, lease: Lease) -> None:
         """A retired lease the store holds no more (a sweep running beside another, as a
