@@ -554,3 +554,53 @@ async def test_web_identity_credentials_come_from_sts(
     resp = await gw2.data.post("/v1/chat/completions", json=chat_body(model="haiku"), headers=auth(api_key))
     assert resp.status == 502 and fake.signatures == []  # no credentials: nothing is sent to Bedrock
     assert (await resp.json())["error"]["code"] == "upstream_unavailable"
+
+
+def _instance_role_only(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    """The standard chain finds nothing before the instance metadata service, which is the fake's."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_EC2_METADATA_DISABLED",
+                 "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", f"{url}/")
+
+
+async def test_instance_role_credentials_come_from_the_metadata_service_with_a_session_token(
+    gateway_factory: Any, bedrock: tuple[BedrockFake, str], api_key: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """EC2 (or any host with an instance profile): botocore asks IMDSv2 for a session token,
+    then the role's name and its temporary credentials, each GET carrying the token, and
+    the calls are signed with them (fetched once while valid). Their refresh is botocore's
+    ``RefreshableCredentials``, as for container credentials (tested above); for IMDS
+    botocore also stretches credentials near their end by a random 12-20 minutes, so a
+    refresh cannot be timed here without its clock."""
+    fake, url = bedrock
+    _instance_role_only(monkeypatch, url)
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"aws": bedrock_provider(url)}, [{"name": "haiku", "deployments": [{"provider": "aws", "model": HAIKU}]}]))
+    for _ in range(2):
+        resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="haiku"), headers=auth(api_key))
+        assert resp.status == 200, await resp.text()
+    metadata = [c for c in fake.state.calls if c.path.startswith("/latest/")]
+    assert (metadata[0].method, metadata[0].path) == ("PUT", "/latest/api/token")
+    gets = [c for c in metadata if c.method == "GET"]
+    assert [c.path for c in gets[:2]] == ["/latest/meta-data/iam/security-credentials/",
+                                          "/latest/meta-data/iam/security-credentials/gateway-instance-role"]
+    assert all(c.headers["x-aws-ec2-metadata-token"] in fake.imds_sessions for c in gets)
+    tokens = [s["token"] for s in fake.signatures]
+    assert tokens == ["imds-token-1", "imds-token-1"] and fake.state.issued_tokens == ["imds-token-1"]
+
+
+async def test_an_instance_without_a_role_is_no_credentials_and_nothing_is_sent_to_bedrock(
+    gateway_factory: Any, bedrock: tuple[BedrockFake, str], api_key: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake, url = bedrock
+    fake.imds_role = None  # the metadata service answers, but no instance profile is attached
+    _instance_role_only(monkeypatch, url)
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"aws": bedrock_provider(url, max_retries=0)},
+        [{"name": "haiku", "deployments": [{"provider": "aws", "model": HAIKU}]}]))
+    resp = await gw.data.post("/v1/chat/completions", json=chat_body(model="haiku"), headers=auth(api_key))
+    assert resp.status == 502, await resp.text()
+    assert (await resp.json())["error"]["code"] == "upstream_unavailable"
+    assert fake.signatures == [] and fake.state.model_calls() == []
+    assert any(c.path == "/latest/meta-data/iam/security-credentials/" for c in fake.state.calls)

@@ -21,6 +21,14 @@ The Claude models also answer InvokeModel with Anthropic's Messages body
 ``AWS_CONTAINER_CREDENTIALS_FULL_URI``): it answers the fake's key pair with a fresh session
 token (``container-token-N``) expiring ``container_lifetime`` seconds from now.
 
+``PUT /latest/api/token`` and ``GET /latest/meta-data/iam/security-credentials/[role]`` are
+the EC2 instance metadata service (IMDSv2, for ``AWS_EC2_METADATA_SERVICE_ENDPOINT``), as
+an instance that requires session tokens answers: the PUT needs
+``X-aws-ec2-metadata-token-ttl-seconds`` (1 to 21600) and answers a session token; a GET
+without a live one is a 401; the listing names the instance role (``imds_role``; None: no
+role attached, a 404) and the role's document holds the fake's key pair with a fresh
+session token (``imds-token-N``) expiring ``container_lifetime`` seconds from now.
+
 ``POST /sts`` is STS's ``AssumeRoleWithWebIdentity`` (for ``AWS_ENDPOINT_URL_STS``, with
 ``AWS_ROLE_ARN`` and ``AWS_WEB_IDENTITY_TOKEN_FILE``): the form's ``WebIdentityToken``
 must be the fake's ``web_identity_token`` (STS verifies the OIDC token), and the answer is
@@ -85,6 +93,10 @@ class BedrockFake:
     state: VendorState = field(default_factory=VendorState)
     #: Lifetime of the temporary credentials ``/container-credentials`` hands out.
     container_lifetime: int = 3600
+    #: The instance role the metadata service lists (None: the instance has none).
+    imds_role: str | None = "gateway-instance-role"
+    #: The metadata service's session tokens it handed out (IMDSv2), and so accepts.
+    imds_sessions: list[str] = field(default_factory=list)
     #: The OIDC token STS accepts for ``AssumeRoleWithWebIdentity``.
     web_identity_token: str = "eyJraWQiOiJmYWtlIn0.fake-oidc-token.sig"
     #: What each verified request was signed with (date, signed header names, token, region).
@@ -320,6 +332,40 @@ async def _container_credentials(request: web.Request) -> web.Response:
                           "Expiration": expiry, "RoleArn": "arn:aws:iam::123456789012:role/gateway"})
 
 
+async def _imds_session(request: web.Request) -> web.Response:
+    """IMDSv2's ``PUT /latest/api/token``: a session token for the TTL asked for."""
+    fake: BedrockFake = request.app[_FAKE_KEY]
+    await fake.state.record(request)
+    ttl = request.headers.get("X-aws-ec2-metadata-token-ttl-seconds", "")
+    if not ttl.isdigit() or not 1 <= int(ttl) <= 21600:
+        return web.Response(status=400, text="Bad Request")
+    session = f"imds-session-{len(fake.imds_sessions) + 1}"
+    fake.imds_sessions.append(session)
+    return web.Response(text=session, headers={"X-aws-ec2-metadata-token-ttl-seconds": ttl})
+
+
+async def _imds_credentials(request: web.Request) -> web.Response:
+    """``GET /latest/meta-data/iam/security-credentials/`` (the role's name) and
+    ``.../{role}`` (its temporary credentials), with a session token required."""
+    fake: BedrockFake = request.app[_FAKE_KEY]
+    await fake.state.record(request)
+    if request.headers.get("X-aws-ec2-metadata-token") not in fake.imds_sessions:
+        return web.Response(status=401, text="Unauthorized")
+    role = request.match_info.get("role", "")
+    if fake.imds_role is None or role not in ("", fake.imds_role):
+        return web.Response(status=404, text="Not Found")
+    if not role:
+        return web.Response(text=fake.imds_role)
+    token = f"imds-token-{len(fake.state.issued_tokens) + 1}"
+    fake.state.issued_tokens.append(token)
+    now = time.time()
+    return json_response({
+        "Code": "Success", "LastUpdated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now)),
+        "Type": "AWS-HMAC", "AccessKeyId": fake.access_key, "SecretAccessKey": fake.secret_key, "Token": token,
+        "Expiration": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now + fake.container_lifetime)),
+    })
+
+
 async def _sts(request: web.Request) -> web.Response:
     fake: BedrockFake = request.app[_FAKE_KEY]
     form = await fake.state.record(request)
@@ -356,6 +402,9 @@ def make_app(fake: BedrockFake) -> web.Application:
     app[STATE_KEY] = fake.state
     app.router.add_get("/container-credentials", _container_credentials)
     app.router.add_post("/sts", _sts)
+    app.router.add_put("/latest/api/token", _imds_session)
+    app.router.add_get("/latest/meta-data/iam/security-credentials/", _imds_credentials)
+    app.router.add_get("/latest/meta-data/iam/security-credentials/{role}", _imds_credentials)
     operations = "{operation:converse|converse-stream|invoke|invoke-with-response-stream}"
     app.router.add_post(f"/model/{{model}}/{operations}", _model_route)
     app.router.add_post(f"/{{region}}/model/{{model}}/{operations}", _model_route)

@@ -63,7 +63,7 @@ class VendorState:
     def model_calls(self) -> list[Call]:
         """The calls other than credential requests (token endpoints, metadata servers)."""
         return [c for c in self.calls if "/oauth2/" not in c.path and not c.path.endswith(("/token", "-credentials", "/sts"))
-                and not c.path.startswith("/computeMetadata/") and c.path != "/"]
+                and not c.path.startswith(("/computeMetadata/", "/latest/")) and c.path != "/"]
 
 
 STATE_KEY: Final = web.AppKey("vendor_fake_state", VendorState)
