@@ -604,3 +604,51 @@ async def test_an_instance_without_a_role_is_no_credentials_and_nothing_is_sent_
     assert (await resp.json())["error"]["code"] == "upstream_unavailable"
     assert fake.signatures == [] and fake.state.model_calls() == []
     assert any(c.path == "/latest/meta-data/iam/security-credentials/" for c in fake.state.calls)
+
+
+async def test_passthrough_at_a_region_goes_to_that_configured_region_and_no_other(
+    gateway_factory: Any, bedrock: tuple[BedrockFake, str], api_key: str, db_pool: asyncpg.Pool
+) -> None:
+    """``/passthrough/{provider}@{region}/...``: the endpoint and the SigV4 scope of that
+    region, when the operator configured it for the provider (its own region, or one of its
+    deployments'); any other is a 400 with nothing sent, so a client cannot move its data
+    to a region the operator did not choose."""
+    fake, url = bedrock
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"aws": bedrock_provider(url + "/{region}")},  # one fake endpoint per region
+        [{"name": "abroad", "deployments": [{"provider": "aws", "model": HAIKU, "region": "us-east-1",
+                                              "price": PRICE}]}]))
+    body = {"messages": [{"role": "user", "content": [{"text": "which region"}]}]}
+    request_id = f"br-{uuid.uuid4().hex[:10]}"
+    resp = await gw.data.post(f"/passthrough/aws@us-east-1/model/{HAIKU}/converse", json=body,
+                              headers={**auth(api_key), "x-request-id": request_id})
+    assert resp.status == 200, await resp.text()
+    resp = await gw.data.post(f"/passthrough/aws@eu-west-1/model/{HAIKU}/converse", json=body, headers=auth(api_key))
+    assert resp.status == 200, await resp.text()  # the provider's own region, named
+    resp = await gw.data.post(f"/passthrough/aws/model/{HAIKU}/converse", json=body, headers=auth(api_key))
+    assert resp.status == 200, await resp.text()  # no region: the provider's own
+    assert [c.path for c in fake.state.model_calls()] == [
+        f"/us-east-1/model/{HAIKU}/converse", f"/eu-west-1/model/{HAIKU}/converse", f"/eu-west-1/model/{HAIKU}/converse"]
+    assert [s["region"] for s in fake.signatures] == ["us-east-1", "eu-west-1", "eu-west-1"]
+    row = await _ledger(gw, db_pool, request_id)
+    assert row["deployment"] == "aws/passthrough@us-east-1" and row["provider"] == "aws"
+    assert row["cost_source"] == "price" and row["prompt_tokens"] > 0
+
+    fake.signatures.clear()
+    resp = await gw.data.post(f"/passthrough/aws@ap-southeast-2/model/{HAIKU}/converse", json=body,
+                              headers=auth(api_key))  # a region the fake serves, but not configured here
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["code"] == "region_not_configured" and "eu-west-1, us-east-1" in error["message"]
+    assert fake.signatures == [] and len(fake.state.model_calls()) == 3
+
+
+async def test_passthrough_at_a_region_of_a_provider_without_regions_is_refused(
+    gateway_factory: Any, fake: FakeUpstream, api_key: str
+) -> None:
+    gw = await gateway_factory(config_yaml=fleet_config(
+        {"oai": {"type": "openai", "base_url": fake.url, "api_key": "sk-upstream"}},
+        [{"name": "m", "deployments": [{"provider": "oai", "model": "test-model"}]}]))
+    resp = await gw.data.post("/passthrough/oai@us-east-1/v1/models", headers=auth(api_key))
+    assert resp.status == 400
+    assert (await resp.json())["error"]["code"] == "region_not_configured"

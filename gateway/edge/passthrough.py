@@ -12,6 +12,12 @@ Access: a key with a model allowlist may use a provider here only when the allow
 holds ``passthrough/{provider}`` (or a pattern matching it, e.g. ``passthrough/*``); a
 key without an allowlist may use every provider.
 
+Regions: ``/passthrough/{provider}@{region}/{path}`` sends the call to the provider's
+endpoint in ``region`` (its host and, for Bedrock, its SigV4 scope), one of the regions
+the operator configured for that provider: its own, or one a deployment of it names. A
+region not configured is refused, so a client cannot send data where the operator did
+not mean it to go. Without ``@region`` the call goes to the provider's own region.
+
 A provider whose signature covers the request itself (Bedrock's SigV4: method, path,
 query and body) signs the forwarded request with the gateway's credentials
 (:meth:`Provider.passthrough_request`); its binary event streams are relayed as they come
@@ -40,7 +46,7 @@ from multidict import CIMultiDict
 
 from gateway.billing.pricing import settle_cost
 from gateway.core.config import Price
-from gateway.core.errors import ModelNotAllowed, ModelNotFound, UpstreamUnavailable
+from gateway.core.errors import InvalidRequest, ModelNotAllowed, ModelNotFound, UpstreamUnavailable
 from gateway.core.usage import CallRecord, Usage
 from gateway.edge import telemetry
 from gateway.edge.ratelimit import admit
@@ -84,7 +90,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     key = await state.auth.authenticate(bearer_token(request))
     telemetry.key_known(request, key.api_key_id)
     permit = await admit(request, key)
-    name = request.match_info["provider"]
+    name, _, region = request.match_info["provider"].partition("@")
     allowed = key.policy.allowed_models
     if allowed is not None and not any(fnmatch.fnmatchcase(f"passthrough/{name}", p) for p in allowed):
         raise ModelNotAllowed(f"pass-through to provider {name!r} is not allowed for this key",
@@ -92,12 +98,15 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     provider = state.providers.get(name)
     if provider is None or not provider.passthrough_base:
         raise ModelNotFound(f"no provider {name!r} to pass through to", code="provider_not_found")
+    if region:
+        provider = _in_region(state, provider, name, region)
     raw = await read_body(request, state.settings.body_limit)
     model = _model_of(raw) or provider.passthrough_model(request.match_info["path"])
     record = CallRecord(
         request_id=request_id_of(request), api_key_id=key.api_key_id, subject_id=key.subject_id,
         requested_model=model or f"passthrough/{name}", served_model=model, provider=name,
-        deployment=f"{name}/passthrough", passthrough=True,
+        # As a deployment's id names its region (provider/model@region) when not the provider's.
+        deployment=f"{name}/passthrough@{region}" if region else f"{name}/passthrough", passthrough=True,
     )
     record.price = _price_of(state, name, model)
     # Budgets hold here too: the body's worst case at its model's price, held before sending.
@@ -203,6 +212,24 @@ def _model_of(raw: bytes) -> str | None:
         return None
     model = obj.get("model") if isinstance(obj, dict) else None
     return model[:256] if isinstance(model, str) and model else None
+
+
+def _in_region(state: GatewayState, provider: Provider, name: str, region: str) -> Provider:
+    """``provider`` in ``region``, when the operator configured that region for it (its own,
+    or one of its deployments'); otherwise the client's 400, naming the regions it may use."""
+    own = provider.region
+    if region == own:
+        return provider
+    regions = {own} if own is not None else set()
+    for group in state.config.models:
+        for deployment in group.deployments:
+            if deployment.provider == name and deployment.region is not None:
+                regions.add(deployment.region)
+                if deployment.region == region:
+                    return provider.for_deployment(deployment)
+    known = ", ".join(sorted(regions)) if regions else "none: it has no regions"
+    raise InvalidRequest(f"provider {name!r} is not configured for region {region!r} (configured: {known})",
+                         code="region_not_configured")
 
 
 def _price_of(state: GatewayState, provider: str, model: str | None) -> Price | None:

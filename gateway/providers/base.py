@@ -208,6 +208,9 @@ class Provider:
 
     #: Value of ``gen_ai.provider.name`` for spans.
     system: str = "openai"
+    #: The region this provider (or this view of it, :meth:`for_deployment`) sends to, for
+    #: a type whose deployments may name their own (Bedrock); None: a type without regions.
+    region: str | None = None
     #: Whether :meth:`embeddings` is served; dispatch passes over deployments that are not.
     serves_embeddings: bool = False
     #: The header this wire sends the key in, and how the value is written.
