@@ -116,3 +116,19 @@ async def test_opcodes_counts_each_variants_instructions_per_request(
     assert gateway.functions[("aiohttp/web_request.py", "__init__", 179)][1] == gateway.requests
     out = capsys.readouterr().out
     assert "| bare | " in out and "| gateway | " in out and "instructions per request" in out
+
+
+async def test_first_chunk_measures_each_target_at_each_concurrency(
+    pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.first_chunk import main
+
+    monkeypatch.setenv("BENCH_PG_ADMIN_DSN", pg_admin_dsn)
+    firsts = await main(["--concurrency", "1,2", "--seconds", "0.5", "--rounds", "1", "--chunks", "2", "--no-budget"])
+    assert set(firsts) == {(n, t) for n in (1, 2) for t in ("direct", "bare", "gateway")}
+    assert all(values and all(0 < v < 5 for v in values) for values in firsts.values())
+    out = capsys.readouterr().out
+    assert "| 1 | gateway |" in out and "| 2 | bare |" in out and "p50 over the bare relay's" in out
+    for bad in (["--concurrency", "0"], ["--concurrency", "x"], ["--rounds", "0"], ["--gateway-env", "NOVALUE"]):
+        with pytest.raises(SystemExit):
+            await main(bad)

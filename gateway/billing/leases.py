@@ -18,8 +18,9 @@ in its last quarter (of time, or of headroom) the next one is asked for in the b
 so a steadily busy budget's calls never wait for the store. A lease whose time is over
 with no successor (its budget's calls stopped, or come seldom) *stands by* instead, for
 ``standby_seconds`` (stood by by the sweep, every half lease, or by the first call that
-finds it past its time, which then tells the store in the background): it is cut down to what its calls still hold and have spent plus
-room for two calls as large as the largest it admitted, and admits from that. A key that
+finds it past its time, which then tells the store in the background): it is cut down
+to what its calls still hold and have spent plus room for two calls as large as the
+largest it admitted, and admits from that. A key that
 calls now and then (less than once a ``seconds``) then finds a lease, and its call makes
 no round trip; a call that leaves the standby less than one more call's room asks for a
 full lease in the background, which replaces the standby when granted. A standby retires
