@@ -623,7 +623,9 @@ async def test_passthrough_at_a_region_goes_to_that_configured_region_and_no_oth
     resp = await gw.data.post(f"/passthrough/aws@us-east-1/model/{HAIKU}/converse", json=body,
                               headers={**auth(api_key), "x-request-id": request_id})
     assert resp.status == 200, await resp.text()
-    resp = await gw.data.post(f"/passthrough/aws@eu-west-1/model/{HAIKU}/converse", json=body, headers=auth(api_key))
+    own_id = f"bo-{uuid.uuid4().hex[:10]}"
+    resp = await gw.data.post(f"/passthrough/aws@eu-west-1/model/{HAIKU}/converse", json=body,
+                              headers={**auth(api_key), "x-request-id": own_id})
     assert resp.status == 200, await resp.text()  # the provider's own region, named
     resp = await gw.data.post(f"/passthrough/aws/model/{HAIKU}/converse", json=body, headers=auth(api_key))
     assert resp.status == 200, await resp.text()  # no region: the provider's own
@@ -633,6 +635,7 @@ async def test_passthrough_at_a_region_goes_to_that_configured_region_and_no_oth
     row = await _ledger(gw, db_pool, request_id)
     assert row["deployment"] == "aws/passthrough@us-east-1" and row["provider"] == "aws"
     assert row["cost_source"] == "price" and row["prompt_tokens"] > 0
+    assert (await _ledger(gw, db_pool, own_id))["deployment"] == "aws/passthrough"  # as without it
 
     fake.signatures.clear()
     resp = await gw.data.post(f"/passthrough/aws@ap-southeast-2/model/{HAIKU}/converse", json=body,

@@ -399,6 +399,20 @@ async def test_leases_are_off_with_a_zero_fraction_and_a_share_over_half_is_refu
 
 
 # ----------------------------------------------------------------------------- standby
+async def one_call_on_a_standby_gate(
+    kind: str, make_store: Any
+) -> tuple[Faults, Any, Budget, Clock, BudgetGate, Reservation]:
+    """A gate with standbys on (30 s) over a budget of 1,000,000, leases of 100,000, on a
+    fake clock, and the first call's hold (1,000, from the first lease) settled at 400."""
+    faults = Faults()
+    store, budget = await budget_store(kind, make_store, 1_000_000, faults)
+    clock = Clock()
+    gate = leased_gate(store, clock=clock, standby=30.0)
+    first = await hold(gate, budget, 1_000)
+    gate.settles_at_once(first, 400)
+    return faults, store, budget, clock, gate, first
+
+
 @pytest.mark.parametrize("kind", STORES)
 async def test_a_lease_past_its_time_stands_by_and_a_seldom_call_makes_no_round_trip(
     kind: str, make_store: Any, db_pool: asyncpg.Pool
@@ -407,12 +421,7 @@ async def test_a_lease_past_its_time_stands_by_and_a_seldom_call_makes_no_round_
     successor, is cut down to what it has spent plus two calls' room and admits the next
     calls in memory; the one that leaves it less than another call's room asks for a full
     lease in the background, which takes over."""
-    faults = Faults()
-    store, budget = await budget_store(kind, make_store, 1_000_000, faults)
-    clock = Clock()
-    gate = leased_gate(store, clock=clock, standby=30.0)  # leases of 100,000
-    first = await hold(gate, budget, 1_000)
-    gate.settles_at_once(first, 400)
+    faults, store, budget, clock, gate, first = await one_call_on_a_standby_gate(kind, make_store)
     assert faults.round_trips == 1
     clock.now += 1.0
     await gate.leases.sweep()
@@ -442,12 +451,7 @@ async def test_a_call_that_finds_its_lease_past_its_time_before_the_sweep_stands
     the lease and waited for a new one, a round trip before its first byte. Such a call
     stands the lease by itself, is admitted from it at once, and the store is told the
     cut-down amount in the background."""
-    faults = Faults()
-    store, budget = await budget_store(kind, make_store, 1_000_000, faults)
-    clock = Clock()
-    gate = leased_gate(store, clock=clock, standby=30.0)  # leases of 100,000
-    first = await hold(gate, budget, 1_000)
-    gate.settles_at_once(first, 400)
+    faults, store, budget, clock, gate, first = await one_call_on_a_standby_gate(kind, make_store)
     assert faults.round_trips == 1
     clock.now += 1.5  # past the lease's second; no sweep has run
     seldom = await hold(gate, budget, 1_000)

@@ -329,17 +329,16 @@ class _Sql:
         where = f"WHERE {' AND '.join(conds)}" if conds else ""
         self.parts.append(f"SELECT {group} AS g, {_LEDGER_SUMS} FROM usage_ledger {where} GROUP BY 1")
 
-
     def edge(self, group: str, filters: list[str], start: datetime | None, end: datetime | None,
-             rollup: tuple[str, str, str] | None) -> None:
+             rollup: tuple[str, str, str]) -> None:
         """The ledger's calls in the partial hour ``[start, end)``; or, when it lies inside one
-        UTC hour and ``rollup`` (group expression, table, its hour condition with ``{}`` for
-        the hour) is given, that hour's rollup rows if no call of ``filters`` lies in the hour
-        outside ``[start, end)`` (the rollup then holds exactly those calls: one statement
-        sees the ledger and its rollups, kept by the ledger's trigger, in one snapshot), and
-        the ledger's calls otherwise. Either way the answer is the ledger's sum."""
+        UTC hour, that hour's rows of ``rollup`` (group expression, table, its hour condition
+        with ``{}`` for the hour) if no call of ``filters`` lies in the hour outside ``[start,
+        end)`` (the rollup then holds exactly those calls: one statement sees the ledger and
+        its rollups, kept by the ledger's trigger, in one snapshot), and the ledger's calls
+        otherwise. Either way the answer is the ledger's sum."""
         hour = _hour_holding(start, end)
-        if rollup is None or hour is None or start is None or end is None:
+        if hour is None or start is None or end is None:
             self.ledger(group, filters, start, end)
             return
         outside = []
@@ -347,9 +346,6 @@ class _Sql:
             if lower < upper:
                 conds = [*filters, f"created_at >= {self.arg(lower)}", f"created_at < {self.arg(upper)}"]
                 outside.append(f"EXISTS (SELECT 1 FROM usage_ledger WHERE {' AND '.join(conds)})")
-        if not outside:  # the whole hour: its rollup row is the answer
-            self.part(rollup[0], rollup[1], [*filters, rollup[2].format(self.arg(hour))])
-            return
         others = f"({' OR '.join(outside)})"
         self.part(rollup[0], rollup[1], [*filters, rollup[2].format(self.arg(hour)), f"NOT {others}"])
         conds = [*filters, f"created_at >= {self.arg(start)}", f"created_at < {self.arg(end)}", others]
@@ -357,11 +353,12 @@ class _Sql:
 
 
 def _hour_holding(start: datetime | None, end: datetime | None) -> datetime | None:
-    """The UTC hour ``[start, end)`` lies inside (None: open, empty or across an hour's end)."""
+    """The UTC hour a part of which ``[start, end)`` is (None: open, empty, across an hour's
+    end, or the whole hour, which the plans read as a whole hour)."""
     if start is None or end is None or start >= end:
         return None
     hour = start.astimezone(timezone.utc).replace(minute=0, second=0, microsecond=0)
-    return hour if end <= hour + _HOUR else None
+    return hour if end <= hour + _HOUR and (hour < start or end < hour + _HOUR) else None
 
 
 def _from_blocks(sql: _Sql, query: UsageQuery, table: str, filters: list[str]) -> None:

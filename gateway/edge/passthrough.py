@@ -98,7 +98,9 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     provider = state.providers.get(name)
     if provider is None or not provider.passthrough_base:
         raise ModelNotFound(f"no provider {name!r} to pass through to", code="provider_not_found")
-    if region:
+    if region == provider.region:
+        region = ""  # the provider's own, named: the same call as without it
+    elif region:
         provider = _in_region(state, provider, name, region)
     raw = await read_body(request, state.settings.body_limit)
     model = _model_of(raw) or provider.passthrough_model(request.match_info["path"])
@@ -215,11 +217,9 @@ def _model_of(raw: bytes) -> str | None:
 
 
 def _in_region(state: GatewayState, provider: Provider, name: str, region: str) -> Provider:
-    """``provider`` in ``region``, when the operator configured that region for it (its own,
-    or one of its deployments'); otherwise the client's 400, naming the regions it may use."""
+    """``provider`` in ``region`` (not its own), when the operator configured that region for
+    it (one of its deployments'); otherwise the client's 400, naming the regions it may use."""
     own = provider.region
-    if region == own:
-        return provider
     regions = {own} if own is not None else set()
     for group in state.config.models:
         for deployment in group.deployments:
