@@ -158,7 +158,7 @@ class BillingActor(Actor[Flush | Spend | Settle]):
         journal_root: Path,
         *,
         mailbox_size: int = 8192,
-        fsync_interval: float = 0.005,
+        fsync_interval: float = 0.02,
         ship_interval: float = 0.1,
         refresh_interval: float = 1.0,
         max_batch: int = 5000,

@@ -91,7 +91,7 @@ class RequestLogActor(Actor[Store | Flush | Purge]):
     mailbox_size = 4096
 
     def __init__(
-        self, pool: asyncpg.Pool, journal_root: Path, *, fsync_interval: float = 0.005,
+        self, pool: asyncpg.Pool, journal_root: Path, *, fsync_interval: float = 0.02,
         ship_interval: float = 0.1, purge_interval: float = 60.0, ship_timeout: float = 5.0,
         drain_timeout: float = 5.0,
     ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import uuid
@@ -12,6 +13,7 @@ import orjson
 import pytest
 
 from gateway.billing.journal import Journal
+from gateway.billing.shipping import JournalShipper
 
 KEY, SUBJECT = uuid.uuid4(), uuid.uuid4()
 
@@ -288,4 +290,36 @@ async def test_a_refused_write_keeps_the_event_in_memory_until_a_commit_writes_i
     assert segment is not None and Journal.read(segment) == lines[:3]
     journal.append(lines[3], KEY, SUBJECT, 0)  # the next segment is written through again
     assert journal._active is not None and journal._active.path.read_bytes() == lines[3]
+    journal.close()
+
+
+async def _ship_nowhere(_conn: object, lines: list[bytes]) -> int:
+    raise AssertionError("this test commits only")
+
+
+async def test_group_commit_fsyncs_at_most_once_per_window_and_catches_up(tmp_path: Path) -> None:
+    """One fsync per window whatever the rate (each wakes a worker thread that takes the
+    loop's CPU from it), and nothing written stays unsynced past the window's end."""
+    journal = Journal.open(tmp_path)
+    window = 0.05
+    shipper = JournalShipper(
+        None, _ship_nowhere, batches=lambda lines: [lines],  # type: ignore[arg-type]  # commits use no pool
+        ship_timeout=1.0, fsync_interval=window, log=logging.getLogger("test"), name="test", store="nowhere",
+    )
+    shipper.journal = journal
+    committer = asyncio.create_task(shipper.commit_forever())
+    loop = asyncio.get_running_loop()
+    started, appended = loop.time(), 0
+    while loop.time() - started < 0.4:
+        journal.append(line(appended), KEY, SUBJECT, 1)
+        appended += 1
+        await asyncio.sleep(0.002)
+    elapsed = loop.time() - started
+    assert appended >= 50
+    assert 1 <= journal.commits <= elapsed / window + 2  # one per window, not one per line
+    await asyncio.sleep(window * 3)
+    assert journal._unsynced == 0 and journal.buffered == 0  # the last lines' window closed too
+    shipper.stopping = True
+    journal.wake()
+    await asyncio.wait_for(committer, 5)
     journal.close()

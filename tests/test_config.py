@@ -70,7 +70,7 @@ def test_every_variable_is_read(tmp_path: Path) -> None:
         "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel:4318", "SHUTDOWN_GRACE_SECONDS": "0",
         "CORS_ALLOWED_ORIGINS": "https://a.example, https://b.example",
         "MANAGEMENT_CORS_ORIGINS": "https://ops.example", "LLM_GATEWAY_HOME": str(tmp_path / "h"),
-        "BILLING_FSYNC_INTERVAL_SECONDS": "0.02",
+        "BILLING_FSYNC_INTERVAL_SECONDS": "0.05",
     })
     assert (s.bind_host, s.bind_port) == ("::1", 8080)
     assert (s.management_host, s.management_port) == ("10.0.0.1", 9090)
@@ -81,7 +81,7 @@ def test_every_variable_is_read(tmp_path: Path) -> None:
     assert s.otel_service_name == "gw" and s.otel_endpoint == "http://otel:4318/v1/traces" and s.shutdown_grace == 0
     assert s.cors_origins == ("https://a.example", "https://b.example")
     assert s.management_cors_origins == ("https://ops.example",) and s.home == tmp_path / "h"
-    assert s.billing_fsync_interval == 0.02 and load_settings({}).billing_fsync_interval == 0.005
+    assert s.billing_fsync_interval == 0.05 and load_settings({}).billing_fsync_interval == 0.02
 
 
 def test_upstream_max_retries_wins_over_venice_max_retries() -> None:

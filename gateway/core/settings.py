@@ -71,7 +71,7 @@ class Settings:
     billing_ship_interval: float = 0.1
     #: The journal's group-commit window (``BILLING_FSYNC_INTERVAL_SECONDS``): what a power
     #: cut may lose of calls already answered (a process crash loses nothing).
-    billing_fsync_interval: float = 0.005
+    billing_fsync_interval: float = 0.02
     #: How long a budget reservation of a process that died holds before it expires.
     budget_reservation_ttl: float = 600.0
     #: Share of a budget one process may hold as a lease (0: a reservation per call), and
@@ -244,7 +244,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         home=Path(home_raw).expanduser() if home_raw else Settings().home,
         billing_journal_dir=Path(journal_raw).expanduser() if (journal_raw := env.get("BILLING_JOURNAL_DIR")) else None,
         billing_ship_interval=_number(env, "BILLING_SHIP_INTERVAL_SECONDS", 0.1, integer=False, minimum=0.001),
-        billing_fsync_interval=_number(env, "BILLING_FSYNC_INTERVAL_SECONDS", 0.005, integer=False, minimum=0.0),
+        billing_fsync_interval=_number(env, "BILLING_FSYNC_INTERVAL_SECONDS", 0.02, integer=False, minimum=0.0),
         budget_reservation_ttl=_number(env, "BUDGET_RESERVATION_TTL_SECONDS", 600.0, integer=False, minimum=1),
         budget_lease_fraction=_fraction(env, "BUDGET_LEASE_FRACTION", 0.02),
         budget_lease_seconds=_number(env, "BUDGET_LEASE_SECONDS", 1.0, integer=False, minimum=0.01),
