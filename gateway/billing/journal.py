@@ -11,7 +11,8 @@ Layout under the journal root (``BILLING_JOURNAL_DIR``, default
   into the kernel's page cache (microseconds, no wait on the disk), so a process that
   dies right after, even by SIGKILL, has left it in the file. :meth:`Journal.commit`
   then makes it survive a power cut too: one ``fsync`` for everything written since the
-  last one, in a worker thread so the event loop never waits on the disk.
+  last one, in a worker thread so the event loop never waits on the disk (one of
+  :data:`JOURNAL_IO`, whose wake-ups do not preempt the loop).
 * While a worker thread writes (a seal, or a retry after a disk error) events are
   buffered in memory instead and written by the next commit, so a failed write can be
   cut back to the file's last good end without cutting anybody else's line.
@@ -42,6 +43,7 @@ from pathlib import Path
 import orjson
 
 from gateway.billing.reservations import micro_usd
+from gateway.core.threads import BackgroundPool
 
 __all__ = ["Journal", "JournalBusy", "Segment"]
 
@@ -55,6 +57,9 @@ _LOCK_NAME = "lock"
 _REJECTED_NAME = "rejected.jsonl"
 #: Enough for every replica one host will ever run; a bound so a bug cannot loop forever.
 MAX_SLOTS = 256
+#: The journals' writes, fsyncs, reads and unlinks (every journal of the process): threads
+#: whose wake-ups do not preempt the event loop (gateway/core/threads.py).
+JOURNAL_IO = BackgroundPool("journal-io", workers=2)
 
 
 class JournalBusy(OSError):
@@ -337,7 +342,7 @@ class Journal:
         synced, self._unsynced = self._unsynced, 0
         self._thread_writes = True
         try:
-            await loop.run_in_executor(None, self._write_sync, self._active.path, data)
+            await loop.run_in_executor(JOURNAL_IO.get(), self._write_sync, self._active.path, data)
         except BaseException:
             self._unsynced += synced
             raise
@@ -362,7 +367,7 @@ class Journal:
         self._has_data.clear()
         dir_unsynced, self._dir_unsynced = self._dir_unsynced, False
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self._fsync_sync, fd, dir_unsynced)
+            await asyncio.get_running_loop().run_in_executor(JOURNAL_IO.get(), self._fsync_sync, fd, dir_unsynced)
         except BaseException:
             self._unsynced += synced
             self._dir_unsynced = self._dir_unsynced or dir_unsynced
@@ -421,7 +426,7 @@ class Journal:
             try:
                 if count or synced or self._dir_unsynced:
                     data = b"".join(self._buffer[:count])
-                    await asyncio.get_running_loop().run_in_executor(None, self._write_sync, segment.path, data)
+                    await asyncio.get_running_loop().run_in_executor(JOURNAL_IO.get(), self._write_sync, segment.path, data)
                     del self._buffer[:count]
                     self.commits += 1
             except BaseException:
@@ -472,7 +477,7 @@ class Journal:
         else read from its file in a worker thread. Raises FileNotFoundError if it is gone."""
         if segment.kept is not None:
             return segment.kept
-        return await asyncio.get_running_loop().run_in_executor(None, Journal.read, segment)
+        return await asyncio.get_running_loop().run_in_executor(JOURNAL_IO.get(), Journal.read, segment)
 
     def discard(self, segment: Segment) -> None:
         """Forget a segment the ledger has committed in full (unlinks its file)."""
@@ -485,7 +490,7 @@ class Journal:
         journal commit can hold an unlink for milliseconds, which must not be the loop's."""
         self._forget(segment)
         with contextlib.suppress(FileNotFoundError):
-            await asyncio.get_running_loop().run_in_executor(None, segment.path.unlink)
+            await asyncio.get_running_loop().run_in_executor(JOURNAL_IO.get(), segment.path.unlink)
 
     def _forget(self, segment: Segment) -> None:
         if segment.kept is not None:
