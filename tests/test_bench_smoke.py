@@ -132,3 +132,25 @@ async def test_first_chunk_measures_each_target_at_each_concurrency(
     for bad in (["--concurrency", "0"], ["--concurrency", "x"], ["--rounds", "0"], ["--gateway-env", "NOVALUE"]):
         with pytest.raises(SystemExit):
             await main(bad)
+
+
+async def test_threads_reads_each_servers_threads_per_request(
+    pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if not os.path.exists("/proc/self/schedstat"):
+        pytest.skip("needs Linux's schedstat")
+    from bench.threads import main
+
+    monkeypatch.setenv("BENCH_PG_ADMIN_DSN", pg_admin_dsn)
+    results = await main(["--profile", "fast", "--concurrency", "2", "--seconds", "1", "--no-budget"])
+    for target in ("bare", "gateway"):
+        (rows,) = results[target]
+        main_thread = rows[0]
+        assert main_thread.name == "main (event loop)" and main_thread.run_us > 0 and main_thread.slices > 0
+    # The gateway has helper threads (the log writer at least) that the bare relay has not.
+    assert len(results["gateway"][0]) > len(results["bare"][0])
+    out = capsys.readouterr().out
+    assert "round 1, gateway:" in out and "| main (event loop) |" in out
+    for bad in (["--concurrency", "0"], ["--profile", "stream"], ["--gateway-env", "NOVALUE"]):
+        with pytest.raises(SystemExit):
+            await main(bad)
