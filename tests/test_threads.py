@@ -1,6 +1,6 @@
-"""Helper threads give way to the event loop: the journals' I/O and the log writer run
-under SCHED_BATCH (their wake-ups do not preempt the loop; their share of the CPU is
-kept), and a forked child makes its own pool."""
+"""Helper threads give way to the event loop: the journals' I/O runs under SCHED_BATCH
+(its wake-ups do not preempt the loop; its share of the CPU is kept), the log writer does
+not, and a forked child makes its own pool."""
 
 from __future__ import annotations
 
@@ -50,7 +50,10 @@ async def test_the_journals_fsync_runs_on_a_thread_that_gives_way(
     assert seen and set(seen) == {os.SCHED_BATCH}
 
 
-def test_the_log_writer_thread_runs_under_sched_batch() -> None:
+def test_the_log_writer_keeps_the_default_policy() -> None:
+    """Under SCHED_BATCH its queue backed up while the loop was saturated (S1's peak RSS
+    93 → 133 MB): what the loop logs must be written as fast as it is made."""
+
     class Seen(logging.Handler):
         def __init__(self) -> None:
             super().__init__()
@@ -65,7 +68,7 @@ def test_the_log_writer_thread_runs_under_sched_batch() -> None:
     writer.start()
     try:
         records.put(logging.makeLogRecord({"msg": "hello"}))
-        assert seen.policies.get(timeout=5) == os.SCHED_BATCH  # the writer thread's own policy
+        assert seen.policies.get(timeout=5) == os.SCHED_OTHER  # the writer thread's own policy
     finally:
         writer.stop()
 

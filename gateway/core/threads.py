@@ -1,15 +1,18 @@
 """Helper threads that give way to the event loop.
 
-The gateway's requests all run on one event-loop thread; a few helper threads (the
-journals' writes and fsyncs, the log writer) do blocking work beside it in the same
-process, usually on the same core. Linux lets a newly woken thread preempt the one
-running, so every fsync's wake-ups took the core from the loop in the middle of a
-request (issue 23's eleventh pass, docs/benchmark.md: at 180 requests a second the loop
-was preempted 1.3-1.6 times a request).
+The gateway's requests all run on one event-loop thread; helper threads (the journals'
+writes and fsyncs) do blocking work beside it in the same process, usually on the same
+core. Linux lets a newly woken thread preempt the one running, so every fsync's
+wake-ups took the core from the loop in the middle of a request (issue 23's eleventh
+pass, docs/benchmark.md: at 180 requests a second the loop was preempted 1.3-1.6 times a
+request, 0.2 after).
 
 Under ``SCHED_BATCH`` a thread keeps its fair share of the CPU (so an fsync is never
 starved, unlike ``SCHED_IDLE``), but its wake-ups do not preempt: it runs when the loop
-waits or at the end of the loop's time slice. Elsewhere than Linux this does nothing.
+waits or at the end of the loop's time slice. That suits work whose delay costs nothing
+(a later fsync covers more lines), not a consumer of what the loop makes: the log writer
+under it fell behind a saturated loop and its queue grew (S1's peak RSS 93 → 133 MB), so
+it keeps the default policy. Elsewhere than Linux this does nothing.
 """
 
 from __future__ import annotations

@@ -30,8 +30,6 @@ from typing import Any, TextIO
 
 import orjson
 
-from gateway.core.threads import give_way_to_the_loop
-
 __all__ = [
     "ACCESS_LOGGER",
     "JsonFormatter",
@@ -398,10 +396,6 @@ def _reaches_only(logger: logging.Logger, handoff: _HandOff) -> bool:
 class _Writer(logging.handlers.QueueListener):
     """The writer thread: takes single records and batches of them (records, or lines
     :func:`log_fields` made ready when the writer is configure_logging's own JSON one)."""
-
-    def _monitor(self) -> None:
-        give_way_to_the_loop()  # it wakes per batch: those wake-ups must not preempt the loop
-        super()._monitor()  # type: ignore[misc]  # the thread's target since 3.2; not in typeshed
 
     def handle(self, record: Any) -> None:
         if isinstance(record, str):
