@@ -37,7 +37,7 @@ from bench.scenarios import (
     stream_body,
     whole_body,
 )
-from bench.stack import REPO, ProcWatch, Stack, StackOptions, raised_fd_limit
+from bench.stack import REPO, ProcWatch, Stack, StackOptions, gateway_env_assignment, raised_fd_limit
 
 __all__ = ["main"]
 
@@ -59,13 +59,6 @@ def _targets(text: str) -> tuple[str, ...]:
     if not wanted or any(t not in TARGETS for t in wanted):
         raise argparse.ArgumentTypeError(f"targets are a comma list of {', '.join(TARGETS)}")
     return wanted
-
-
-def _assignment(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError("expected NAME=VALUE")
-    return name, value
 
 
 def _seconds(text: str) -> float:
@@ -95,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--redis", metavar="URL", help="give the gateway REDIS_URL (limits in Redis)")
     parser.add_argument("--no-budget", action="store_true",
                         help="create the bench key without its USD 1,000,000 budget (no reservations: what the budget costs)")
-    parser.add_argument("--gateway-env", action="append", default=[], metavar="NAME=VALUE", type=_assignment,
+    parser.add_argument("--gateway-env", action="append", default=[], metavar="NAME=VALUE", type=gateway_env_assignment,
                         help="extra environment for the gateway, e.g. LOG_LEVEL=warning (repeatable; for A/B runs)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where reports go (default bench/results)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (printed path)")

@@ -31,7 +31,7 @@ import dataclasses
 
 from bench.driver import closed_loop
 from bench.scenarios import RunContext, profiles_for, stream_body
-from bench.stack import Stack, StackOptions
+from bench.stack import Stack, StackOptions, add_gateway_arguments
 
 __all__ = ["main"]
 
@@ -48,12 +48,6 @@ def _levels(text: str) -> tuple[int, ...]:
     return levels
 
 
-def _assignment(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"--gateway-env {text!r}: expected NAME=VALUE")
-    return name, value
-
 
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
@@ -69,9 +63,7 @@ async def main(argv: list[str] | None = None) -> dict[tuple[int, str], list[floa
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per target and level (default 10)")
     parser.add_argument("--rounds", type=int, default=2, help="alternated rounds (default 2, at most 20)")
     parser.add_argument("--chunks", type=int, default=50, help="chunks per stream, 20 ms apart (default 50)")
-    parser.add_argument("--no-budget", action="store_true", help="the bench key without its budget")
-    parser.add_argument("--gateway-env", action="append", default=[], type=_assignment, metavar="NAME=VALUE",
-                        help="extra environment for the gateway (repeat)")
+    add_gateway_arguments(parser)
     args = parser.parse_args(argv)
     if not 1 <= args.rounds <= 20 or not 1 <= args.chunks <= 1000 or args.seconds <= 0:
         parser.error("--rounds 1..20, --chunks 1..1000, --seconds > 0")

@@ -13,6 +13,7 @@ report can say how many database round trips a request costs (a cached key costs
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -238,6 +239,22 @@ class ByteCounter:
 
 
 # ----------------------------------------------------------------------------- the stack
+def gateway_env_assignment(text: str) -> tuple[str, str]:
+    """``--gateway-env NAME=VALUE`` (argparse ``type``): one entry of
+    :attr:`StackOptions.gateway_env`."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--gateway-env {text!r}: expected NAME=VALUE")
+    return name, value
+
+
+def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--no-budget`` and ``--gateway-env``, as the single-purpose measures take them."""
+    parser.add_argument("--no-budget", action="store_true", help="the bench key without its budget")
+    parser.add_argument("--gateway-env", action="append", default=[], type=gateway_env_assignment,
+                        metavar="NAME=VALUE", help="extra environment for the gateway (repeat)")
+
+
 @dataclass
 class StackOptions:
     profiles: Sequence[Profile]

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from bench.driver import closed_loop
 from bench.scenarios import RunContext, profiles_for, whole_body
-from bench.stack import Stack, StackOptions
+from bench.stack import Stack, StackOptions, add_gateway_arguments
 
 __all__ = ["ThreadFigures", "main"]
 
@@ -82,12 +82,6 @@ def _per_request(pid: int, before: dict[int, tuple[str, int, int, int, int, int]
     return rows
 
 
-def _assignment(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"--gateway-env {text!r}: expected NAME=VALUE")
-    return name, value
-
 
 async def main(argv: list[str] | None = None) -> dict[str, list[list[ThreadFigures]]]:
     """Run; returns each server's rows per round ("bare", "gateway")."""
@@ -98,9 +92,7 @@ async def main(argv: list[str] | None = None) -> dict[str, list[list[ThreadFigur
     parser.add_argument("--concurrency", type=int, default=10, help="concurrent calls (default 10)")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per server and round (default 8)")
     parser.add_argument("--rounds", type=int, default=1, help="alternated rounds (default 1, at most 10)")
-    parser.add_argument("--no-budget", action="store_true", help="the bench key without its budget")
-    parser.add_argument("--gateway-env", action="append", default=[], type=_assignment, metavar="NAME=VALUE",
-                        help="extra environment for the gateway (repeat)")
+    add_gateway_arguments(parser)
     args = parser.parse_args(argv)
     if not 1 <= args.concurrency <= 256 or not 1 <= args.rounds <= 10 or args.seconds <= 0:
         parser.error("--concurrency 1..256, --rounds 1..10, --seconds > 0")

@@ -22,10 +22,10 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["BackgroundPool", "give_way_to_the_loop"]
+__all__ = ["BackgroundPool"]
 
 
-def give_way_to_the_loop() -> None:
+def _give_way_to_the_loop() -> None:
     """Put the calling thread under ``SCHED_BATCH`` (Linux; no privilege needed)."""
     policy = getattr(os, "SCHED_BATCH", None)
     if policy is None or not hasattr(os, "sched_setscheduler"):
@@ -53,7 +53,7 @@ class BackgroundPool:
                 pool = self._pool
                 if pool is None:
                     pool = self._pool = ThreadPoolExecutor(
-                        max_workers=self._workers, thread_name_prefix=self._name, initializer=give_way_to_the_loop
+                        max_workers=self._workers, thread_name_prefix=self._name, initializer=_give_way_to_the_loop
                     )
         return pool
 
