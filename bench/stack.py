@@ -322,6 +322,10 @@ class Stack:
         self.db_counter: ByteCounter | None = None
         self._db_created = False
         self.failed = False
+        #: The driver's CPUs before it pinned itself, given back at close: a second Stack in
+        #: the same process (alternated passes) must see every CPU again, or it finds one and
+        #: runs the gateway beside the driver and the fakes, unpinned.
+        self._driver_cpus: set[int] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     async def __aenter__(self) -> Stack:
@@ -340,9 +344,7 @@ class Stack:
         await self.close()
 
     async def _start(self) -> None:
-        if self.pinned:
-            # The driver (this process) shares the load CPU with the fake providers.
-            os.sched_setaffinity(0, {self.load_cpu})
+        self._pin_driver()
         await self._create_database()
         for profile in self.options.profiles:
             port = free_port()
@@ -368,9 +370,18 @@ class Stack:
                 *(self._wait_port(url, name) for name, url in self.bares.items())
             )
 
+    def _pin_driver(self) -> None:
+        """The driver (this process) shares the load CPU with the fake providers."""
+        if self.pinned and self._driver_cpus is None:
+            self._driver_cpus = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, {self.load_cpu})
+
     async def close(self) -> None:
         for proc in reversed(self.procs):
             await proc.stop()
+        if self._driver_cpus is not None:
+            os.sched_setaffinity(0, self._driver_cpus)
+            self._driver_cpus = None
         if self.db_counter is not None:
             await self.db_counter.close()
         if self._db_created:

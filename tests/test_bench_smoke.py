@@ -63,6 +63,28 @@ def test_the_stream_relay_measure_checks_what_it_relays() -> None:
             assert figures["per_event_us"] > 0 and 0 < figures["writes_per_event"] <= 1
 
 
+async def test_each_stack_in_turn_pins_the_server_apart_from_the_driver() -> None:
+    """A Stack gives the driver its CPUs back at close: alternated passes (``bench.server_cpu``)
+    each pin the server apart again, where the second once found one CPU and ran everything on it."""
+    import shutil
+
+    from bench.stack import Stack, StackOptions
+
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2 or shutil.which("taskset") is None:
+        pytest.skip("pinning needs two CPUs and taskset")
+    try:
+        for _ in range(2):
+            stack = Stack(StackOptions(profiles=()))
+            assert stack.pinned and stack.server_cpu != stack.load_cpu
+            stack._pin_driver()
+            assert os.sched_getaffinity(0) == {stack.load_cpu}
+            await stack.close()
+            assert os.sched_getaffinity(0) == cpus
+    finally:
+        os.sched_setaffinity(0, cpus)
+
+
 async def test_server_cpu_alternates_variants_and_refuses_what_is_not_a_tree(
     pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
