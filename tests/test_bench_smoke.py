@@ -85,6 +85,15 @@ async def test_each_stack_in_turn_pins_the_server_apart_from_the_driver() -> Non
         os.sched_setaffinity(0, cpus)
 
 
+def test_the_body_write_measure_times_both_ways_of_writing_an_event() -> None:
+    from bench.body_write import main, measure
+
+    figures = measure(streams=3, events=5, rounds=1)
+    assert set(figures) == {"aiohttp", "direct"} and all(v > 0 for v in figures.values())
+    with pytest.raises(SystemExit):
+        main(["--events", "0"])
+
+
 async def test_server_cpu_alternates_variants_and_refuses_what_is_not_a_tree(
     pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

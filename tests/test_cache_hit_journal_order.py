@@ -2,9 +2,9 @@
 response cache, on every route: a crash between the two then loses the end of an answer
 (the client retries), never the ledger row of one it was served.
 
-The order is read on the gateway's own side: ``StreamResponse.write`` and ``write_eof``
-(which sends a stream's end with the body's last chunk) are wrapped to note when the end
-marker goes out, and a call listener (after billing's, which appends the
+The order is read on the gateway's own side: ``StreamResponse.write``, the relays' direct
+chunk writer (``ChunkedBody.put``) and ``write_eof`` (which sends a stream's end with the
+body's last chunk) are wrapped to note when the end marker goes out, and a call listener (after billing's, which appends the
 journal line) notes when the record is final.
 """
 
@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from gateway.http.chunked import ChunkedBody
 from tests.cache_helpers import cached_config, settle
 from tests.conftest import FakeUpstream, Gateway, auth
 
@@ -27,6 +28,7 @@ END_MARKERS = (b"data: [DONE]", b"event: message_stop", b"event: response.comple
 def _watch_order(monkeypatch: pytest.MonkeyPatch, gw: Gateway) -> list[str]:
     order: list[str] = []
     original_write, original_eof = web.StreamResponse.write, web.StreamResponse.write_eof
+    original_put = ChunkedBody.put
 
     def note(data: bytes | bytearray | memoryview) -> None:
         if any(marker in bytes(data) for marker in END_MARKERS):
@@ -43,7 +45,12 @@ def _watch_order(monkeypatch: pytest.MonkeyPatch, gw: Gateway) -> list[str]:
             note(data)
         await original_eof(self, data)
 
+    def put(self: ChunkedBody, data: bytes) -> Awaitable[None] | None:
+        note(data)
+        return original_put(self, data)
+
     monkeypatch.setattr(web.StreamResponse, "write", write)
+    monkeypatch.setattr(ChunkedBody, "put", put)
     monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof)
     gw.state.call_listeners.append(lambda record: order.append(f"journaled {record.cache}"))
     return order
@@ -101,6 +108,7 @@ async def test_a_streamed_answer_s_end_goes_out_with_the_body_s_end_in_one_write
     writes: list[bytes] = []
     ends: list[bytes] = []
     original_write, original_eof = web.StreamResponse.write, web.StreamResponse.write_eof
+    original_put = ChunkedBody.put
 
     # The fake provider answers in this process too: only the gateway's answers count.
     async def write(self: web.StreamResponse, data: bytes | bytearray | memoryview) -> None:
@@ -113,7 +121,13 @@ async def test_a_streamed_answer_s_end_goes_out_with_the_body_s_end_in_one_write
             ends.append(bytes(data))
         await original_eof(self, data)
 
+    def put(self: ChunkedBody, data: bytes) -> Awaitable[None] | None:
+        if "x-gateway-cache" in self._response.headers:
+            writes.append(bytes(data))
+        return original_put(self, data)
+
     monkeypatch.setattr(web.StreamResponse, "write", write)
+    monkeypatch.setattr(ChunkedBody, "put", put)
     monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof)
     for expected in ("miss", "hit"):
         writes.clear()

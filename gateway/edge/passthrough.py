@@ -51,6 +51,7 @@ from gateway.core.usage import CallRecord, Usage
 from gateway.edge import telemetry
 from gateway.edge.ratelimit import admit
 from gateway.http.bodies import bearer_token, read_body
+from gateway.http.chunked import Body, body_of
 from gateway.http.middleware import request_id_of
 from gateway.http.state import STATE, GatewayState
 from gateway.protocols.sse import event_data, iter_events
@@ -152,18 +153,18 @@ async def _relay(
     framed = provider.passthrough_payloads(content_type)  # a vendor's binary stream (Bedrock's)
     record.stream = content_type.startswith("text/event-stream") or framed is not None
     try:
-        await response.prepare(request)
+        out = body_of(response, await response.prepare(request))
         if framed is not None:
-            async for chunk in _chunks(upstream, response, record, started):
+            async for chunk in _chunks(upstream, out, record, started):
                 for payload in framed(chunk):
                     sniffer.feed_json(payload)
         elif record.stream:
-            async for event in iter_events(_chunks(upstream, response, record, started)):
+            async for event in iter_events(_chunks(upstream, out, record, started)):
                 if (data := event_data(event)) is not None:
                     sniffer.feed_json(data)
         else:
             body = bytearray()
-            async for chunk in _chunks(upstream, response, record, started):
+            async for chunk in _chunks(upstream, out, record, started):
                 if len(body) <= _SNIFF_LIMIT_BYTES:
                     body += chunk
             if len(body) <= _SNIFF_LIMIT_BYTES:
@@ -185,14 +186,15 @@ async def _relay(
 
 
 async def _chunks(
-    upstream: aiohttp.ClientResponse, response: web.StreamResponse, record: CallRecord, started: float
+    upstream: aiohttp.ClientResponse, out: Body, record: CallRecord, started: float
 ) -> AsyncIterator[bytes]:
     """The upstream body chunk by chunk, each written to the client before it is yielded."""
     with map_transport_errors():
         async for chunk in stream_chunks(upstream):
             if record.ttft is None and record.stream:
                 record.ttft = time.monotonic() - started
-            await response.write(chunk)
+            if (waiting := out.put(chunk)) is not None:
+                await waiting
             yield chunk
 
 

@@ -49,6 +49,7 @@ from gateway.guardrails.relays import stream_guard
 from gateway.guardrails.stream_checks import stream_checks
 from gateway.http.admission import ShuttingDown, is_shutdown
 from gateway.http.bodies import bearer_token, read_json_body
+from gateway.http.chunked import body_of
 from gateway.http.middleware import request_id_of
 from gateway.http.state import STATE, GatewayState
 from gateway.protocols.anthropic_stream import StreamBroken
@@ -243,7 +244,7 @@ async def _replay_in(
     prompt_estimate = entry.prompt_tokens
     relay = protocol.relay(reply, parsed, False, prompt_estimate)
     response = web.StreamResponse(status=200, headers={**SSE_HEADERS, **ticket.headers()})
-    await response.prepare(request)
+    sink = body_of(response, await response.prepare(request))
     ending: list[bytes] = []  # what the stored end became, held back as a live stream's is
     try:
         for event in entry.events():
@@ -251,8 +252,8 @@ async def _replay_in(
             if out:
                 if relay.done:
                     ending.append(out)
-                else:
-                    await response.write(out)
+                elif (waiting := sink.put(out)) is not None:
+                    await waiting
     except ConnectionError:
         record.outcome = "cancelled"
     relay.settle(record, started, prompt_estimate)
@@ -406,7 +407,7 @@ async def _stream(
     # Most streams have none of the hooks: one test per event rules the four out.
     hooked = screen is not None or storable or checks is not None or capture is not None
     try:
-        await response.prepare(request)
+        sink = body_of(response, await response.prepare(request))
         async for event in reply.events:
             if hooked:
                 if screen is not None:
@@ -421,8 +422,8 @@ async def _stream(
             if out:
                 if relay.done:
                     ending.append(out)
-                else:
-                    await response.write(out)
+                elif (waiting := sink.put(out)) is not None:
+                    await waiting
         if not relay.done:
             raise StreamCut(relay.unfinished)
         if checks is not None:
