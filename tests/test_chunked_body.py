@@ -125,11 +125,16 @@ class _Transport(asyncio.Transport):
         return self.closing
 
 
+class _Protocol:
+    def __init__(self) -> None:
+        self.transport: _Transport | None = _Transport()
+
+
 class _Writer:
     """What ``ChunkedBody`` reads of aiohttp's ``StreamWriter``, with a drain that is noted."""
 
     def __init__(self) -> None:
-        self.transport: _Transport | None = _Transport()
+        self.protocol = _Protocol()
         self.buffer_size = 0
         self.output_size = 0
         self.drained = 0
@@ -140,7 +145,7 @@ class _Writer:
 
 async def test_the_direct_writer_asks_for_a_drain_past_aiohttps_bound_and_refuses_a_closing_transport() -> None:
     writer = _Writer()
-    transport = writer.transport
+    transport = writer.protocol.transport
     assert transport is not None
     body = ChunkedBody(web.StreamResponse(), writer)  # type: ignore[arg-type]
     piece = b"y" * 1000
@@ -158,6 +163,6 @@ async def test_the_direct_writer_asks_for_a_drain_past_aiohttps_bound_and_refuse
     transport.closing = True
     with pytest.raises(ConnectionError):
         body.put(piece)
-    writer.transport = None
+    writer.protocol.transport = None  # the connection lost
     with pytest.raises(ConnectionError):
         body.put(piece)

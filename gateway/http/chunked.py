@@ -45,15 +45,18 @@ class Body:
 class ChunkedBody(Body):
     """A chunked, uncompressed body written straight to the transport (see the module)."""
 
-    __slots__ = ("_writer",)
+    __slots__ = ("_protocol", "_writer")
 
     def __init__(self, response: web.StreamResponse, writer: StreamWriter) -> None:
         super().__init__(response)
         self._writer = writer
+        #: The connection's protocol: its ``transport`` is read at each write, as aiohttp
+        #: reads it (None once the connection is lost), without the writer's property call.
+        self._protocol = writer.protocol
 
     def put(self, data: bytes) -> Awaitable[None] | None:
         writer = self._writer
-        transport = writer.transport
+        transport = self._protocol.transport
         if transport is None or transport.is_closing():
             raise ClientConnectionResetError("Cannot write to closing transport")  # as aiohttp: a ConnectionError
         if not data:
