@@ -132,6 +132,22 @@ def test_a_chunk_that_is_one_event_is_given_as_it_came() -> None:
     assert EventSplitter().feed(b"data: a\ndata: b\n\n")[0] == b"data: a\ndata: b\n\n"
 
 
+def test_a_read_of_several_whole_events_is_split_as_the_loop_splits_it() -> None:
+    """The split of a read made only of whole events (a stream's usage chunk and [DONE] in
+    one read) is the general path's, blank lines and a third newline included."""
+    for chunk in (b'data: {"usage":1}\n\ndata: [DONE]\n\n', b"data: a\n\n\ndata: b\n\n",
+                  b"data: a\n\n\n\ndata: b\n\n", b"data: a\n\n\n", b": c\n\n\n\n",
+                  b"data: a\n\n \n\ndata: b\n\n"):
+        assert _splitter_events([chunk]) == (_reference_split(chunk), None), chunk
+
+
+def _reference_split(chunk: bytes) -> list[bytes]:
+    async def run() -> list[bytes]:
+        return (await _drain(_reference_iter_events(_aiter([chunk]))))[0]
+
+    return asyncio.run(run())
+
+
 def test_an_overflowing_chunk_gives_its_complete_events_on_the_error() -> None:
     splitter = EventSplitter(max_event_bytes=10)
     with pytest.raises(EventTooLarge) as caught:

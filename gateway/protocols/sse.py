@@ -67,6 +67,14 @@ class EventSplitter:
             return [chunk] if chunk[0] > 0x20 or chunk.strip() else []
         if not chunk:
             return []
+        if not buf and not self._held_cr and chunk.endswith(b"\n\n") and chunk.find(b"\r") < 0:
+            # A read of several whole events (a stream's end: its usage chunk and [DONE]
+            # together): one split gives what the loop below would, event for event (a
+            # split is the same left-to-right search for blank lines), with no buffer.
+            parts = chunk.split(b"\n\n")
+            if not parts[-1]:  # else the last blank line was part of "\n\n\n": the loop below
+                del parts[-1]
+                return [part + b"\n\n" for part in parts if part.strip()]
         if self._held_cr:
             chunk = b"\r" + chunk
         held_cr = self._held_cr = chunk.endswith(b"\r")
