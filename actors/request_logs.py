@@ -10,7 +10,9 @@ ship it and purge expired rows.
   the request's path. The actor encodes it (:func:`~gateway.billing.request_log.to_line`)
   and appends it; a full mailbox appends directly (synchronous, never dropped).
 * Group commit: one ``fsync`` for whatever was appended, at most every ``fsync_interval``.
-* Shipping: every ``ship_interval`` (BILLING_SHIP_INTERVAL_SECONDS, as the ledger's) the
+* Shipping: every ``ship_interval`` (BILLING_SHIP_INTERVAL_SECONDS, as the ledger's) while
+  anything waits to be shipped (an idle shipper sleeps until a line comes, a flush, the stop
+  or the next purge: no wake-ups on a gateway where no route logs bodies), the
   active segment is sealed and every sealed one shipped in batches bounded by lines and
   bytes, ``ON CONFLICT (call_id) DO NOTHING``, and deleted once stored: a crash replays
   what it left on the next start, and a row shipped twice is stored once. A batch
@@ -164,6 +166,7 @@ class RequestLogActor(Actor[Store | Flush | Purge]):
             fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
             self._shipping.flush_waiters.append(fut)
             self._wake_shipper.set()
+            self.journal.wake()  # a shipper idle with nothing to ship waits on the journal
             return fut
         if isinstance(msg, Purge):
             return await self._purge()
@@ -179,7 +182,15 @@ class RequestLogActor(Actor[Store | Flush | Purge]):
     async def _ship_forever(self) -> None:
         loop = asyncio.get_running_loop()
         next_purge = loop.time() + self._purge_interval
+        journal = self.journal
         while not self._stopping:
+            if not journal.unshipped and not self._wake_shipper.is_set():
+                # Nothing to ship (no route logs bodies, or all is shipped): sleep until a
+                # line is appended, a flush, the stop or the next purge, not every interval.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(journal.wait_for_lines(), max(0.0, next_purge - loop.time()))
+                if self._stopping:
+                    return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake_shipper.wait(), self._ship_interval)
             self._wake_shipper.clear()

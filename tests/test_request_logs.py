@@ -421,3 +421,38 @@ async def test_the_console_lists_stored_calls_and_shows_bodies_to_an_admin_only(
     hidden = await (await gw.management.get(f"/ui/requests/{request_id}", headers=as_viewer)).text()
     assert 'id="bodies-hidden"' in hidden and "words" not in hidden
     assert (await gw.management.get("/ui/requests/nope", headers=as_admin)).status == 404
+
+
+async def test_an_idle_shipper_sleeps_until_a_body_is_stored_then_ships_it_unasked(
+    gateway_factory: Any, fake12: FakeUpstream, api_key: str, db_pool: asyncpg.Pool
+) -> None:
+    """With nothing to ship the request-log shipper does not wake every ship interval (a
+    gateway where no call is logged makes no ship cycle); a stored body wakes it, and it
+    ships without a flush."""
+    gw = await _start(gateway_factory, fake12)
+    shipping = gw.state.request_logs._actor._shipping
+    cycles = 0
+    ship_cycle = shipping.ship_cycle
+
+    async def counted() -> bool:
+        nonlocal cycles
+        cycles += 1
+        return await ship_cycle()
+
+    shipping.ship_cycle = counted  # type: ignore[method-assign]
+    await asyncio.sleep(0.6)  # several ship intervals
+    assert cycles == 0
+    request_id, _ = await _call(gw, api_key, "wake the shipper", model="logged")
+    for _ in range(100):
+        if await db_pool.fetchval("SELECT count(*) FROM request_logs WHERE request_id = $1", request_id):
+            break
+        await asyncio.sleep(0.05)
+    else:
+        raise AssertionError("the stored body was not shipped without a flush")
+    assert cycles >= 1
+    await asyncio.sleep(0.3)
+    shipped_by_then = cycles
+    await asyncio.sleep(0.6)
+    assert cycles == shipped_by_then  # asleep again once everything is shipped
+    assert await gw.state.request_logs.flush()  # a flush still answers (it wakes the idle shipper)
+    assert cycles == shipped_by_then + 1

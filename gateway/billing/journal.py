@@ -322,6 +322,19 @@ class Journal:
         """Release :meth:`wait_for_data` once even with nothing buffered (to stop a committer)."""
         self._has_data.set()
 
+    @property
+    def unshipped(self) -> bool:
+        """Whether a line waits to be shipped: the active segment's, or a sealed one's."""
+        return self._active is not None or bool(self._sealed)
+
+    async def wait_for_lines(self) -> None:
+        """Return at once if a line waits to be shipped, else when one is appended (or on
+        :meth:`wake`): a shipper with nothing to ship sleeps instead of waking on a timer.
+        The append that wakes it also wakes the committer, which may clear the event
+        first: this waiter was released all the same."""
+        if not self.unshipped:
+            await self._has_data.wait()
+
     async def commit(self) -> int:
         """Write and fsync everything buffered, in a worker thread; returns the count.
 
