@@ -175,16 +175,28 @@ def session_for(connections: int) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector, timeout=REQUEST_TIMEOUT, auto_decompress=False)
 
 
+def _call_at_warmup_end(warmup: float, hook: Callable[[], None] | None) -> asyncio.Handle | None:
+    """``hook`` called ``warmup`` seconds from now (at once without a warm-up)."""
+    if hook is None:
+        return None
+    if warmup <= 0:
+        hook()
+        return None
+    return asyncio.get_running_loop().call_later(warmup, hook)
+
+
 async def closed_loop(
     calls: Callable[[int], Call], *, concurrency: int, duration: float, warmup: float = 0.0,
-    max_requests: int | None = None, stagger: float = 0.0,
+    max_requests: int | None = None, stagger: float = 0.0, on_measure: Callable[[], None] | None = None,
 ) -> Result:
     """``concurrency`` workers send back to back for ``warmup + duration`` seconds.
 
     Only requests started after the warm-up count. ``calls(i)`` gives the i-th request,
     so a mix (streams among whole answers) is possible. ``max_requests`` bounds the run.
     ``stagger`` spreads the workers' first requests over that many seconds, so long
-    requests (streams) do not all start and end together in waves.
+    requests (streams) do not all start and end together in waves. ``on_measure`` is
+    called when the warm-up ends: a server's CPU read from then on is the counted
+    requests' (and the ones in flight at that moment, which the tail's make up for).
     """
     result = Result()
     sent = 0
@@ -193,6 +205,7 @@ async def closed_loop(
         start = time.perf_counter()
         measure_from = start + warmup
         end = measure_from + duration
+        measuring = _call_at_warmup_end(warmup, on_measure)
 
         async def worker(k: int) -> None:
             nonlocal sent
@@ -206,6 +219,8 @@ async def closed_loop(
                     result.add(outcome, time.perf_counter() - t0)
 
         await asyncio.gather(*(worker(k) for k in range(concurrency)))
+        if measuring is not None:
+            measuring.cancel()  # a run bounded by max_requests may end before its warm-up did
         result.duration = min(time.perf_counter(), end) - measure_from
         result.driver_cpu = time.process_time() - cpu0
     return result
@@ -214,11 +229,13 @@ async def closed_loop(
 async def open_loop(
     calls: Callable[[int], Call], *, rate: float, duration: float, warmup: float = 0.0,
     max_in_flight: int = 2000, during: Callable[[], Awaitable[None]] | None = None,
+    on_measure: Callable[[], None] | None = None,
 ) -> Result:
     """Start ``rate`` requests per second for ``warmup + duration`` seconds, then wait.
 
     Latency is measured from each request's scheduled start. ``during`` runs alongside
-    (e.g. a scraper) and is cancelled when the last request is scheduled.
+    (e.g. a scraper) and is cancelled when the last request is scheduled. ``on_measure``
+    is called when the warm-up ends, as :func:`closed_loop` calls it.
     """
     result = Result()
     total = int(rate * (warmup + duration))
@@ -243,6 +260,7 @@ async def open_loop(
         cpu0 = time.process_time()
         start = time.perf_counter()
         loop = asyncio.get_running_loop()
+        measuring = _call_at_warmup_end(warm / rate, on_measure)
         try:
             for i in range(total):
                 scheduled = start + i / rate
@@ -262,6 +280,8 @@ async def open_loop(
                 await asyncio.gather(side, return_exceptions=True)
         if tasks:
             await asyncio.wait(list(tasks))
+        if measuring is not None:
+            measuring.cancel()
         result.duration = duration
         result.driver_cpu = time.process_time() - cpu0
     return result

@@ -95,8 +95,10 @@ async def measure(
         pid = stack.bare_procs[profile.name].pid if variant.bare else stack.gateway.pid
         concurrency = 64 if stream else 32
         await closed_loop(lambda _i: call, concurrency=concurrency, duration=2.0, warmup=0.5)
-        async with ProcWatch(pid).window() as window:
-            result = await closed_loop(lambda _i: call, concurrency=concurrency, duration=seconds, warmup=0.5)
+        watch = ProcWatch(pid)
+        async with watch.window() as window:
+            result = await closed_loop(lambda _i: call, concurrency=concurrency, duration=seconds, warmup=0.5,
+                                       on_measure=lambda: watch.restart(window))
     if not result.ok:
         raise RuntimeError(f"{variant.name}: no request succeeded ({dict(result.errors)})")
     return 1e6 * window.cpu / result.ok, result.rps

@@ -144,6 +144,11 @@ class ProcWatch:
         # After the command name: state is field 3, utime 14, stime 15 (1-based) → 11, 12 here.
         return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
+    def restart(self, w: Window) -> None:
+        """Count ``w``'s CPU and wall time from now (the run's warm-up is over)."""
+        w.start_cpu = self.cpu_seconds()
+        w.started = time.perf_counter()
+
     @contextlib.asynccontextmanager
     async def window(self, interval: float = 0.05) -> Any:
         """Sample RSS every ``interval`` while the block runs; yields a :class:`Window`."""
@@ -168,7 +173,8 @@ class ProcWatch:
 
 @dataclass
 class Window:
-    """What :meth:`ProcWatch.window` saw."""
+    """What :meth:`ProcWatch.window` saw: CPU and wall time from the block's start, or from
+    :meth:`ProcWatch.restart` (the end of a run's warm-up); memory over the whole block."""
 
     start_rss: int
     start_cpu: float
