@@ -79,7 +79,7 @@ def body_of(response: web.StreamResponse, writer: AbstractStreamWriter | None) -
         and writer.chunked  # HTTP/1.1 without a length: aiohttp chose chunked at prepare()
         and not response.compression
         and writer.length is None
-        and writer.on_body_write is None
+        and getattr(writer, "on_body_write", None) is None  # a byte counter's hook (newer aiohttp)
     ):
         send_headers = getattr(writer, "send_headers", None)  # aiohttp ≥ 3.12 may hold them
         if send_headers is not None:
