@@ -57,9 +57,12 @@ async def test_the_warm_up_end_is_told_once_between_the_warm_up_and_the_counted_
         in_flight = 3  # at 100 a second, 5 ms each: the few scheduled around the hook
     assert state.hooks == 1
     assert state.before > 0 and result.ok > 0
-    # What the server saw after the hook is what the driver counted, but for the requests in
-    # flight at that moment (started before the warm-up's end, seen by the server after it).
-    assert result.ok <= state.after <= result.ok + in_flight
+    # What the server saw after the hook is what the driver counted, but for the requests
+    # around that moment: in flight when it came (started before the warm-up's end, seen by
+    # the server after it), or started on the boundary before the loop's timer (1 ms steps,
+    # in no set order against a request due at the same time) ran the hook. A hook at the
+    # run's start or end would be off by the whole warm-up's or pass's requests.
+    assert abs(state.after - result.ok) <= in_flight
 
 
 async def test_without_a_warm_up_the_hook_comes_first_and_a_run_over_before_it_never_calls_it(
