@@ -1,7 +1,7 @@
 """Python bytecode instructions per request, the gateway's against the bare relay's: a
 measure of the features' cost that a noisy machine does not move.
 
-    python -m bench.opcodes [--stream [--chunks N]] [--seconds S] [--top K] [--json PATH] \\
+    python -m bench.opcodes [--stream [--chunks N]] [--concurrency N] [--seconds S] [--top K] [--json PATH] \\
         [--variant NAME=TREE[:VAR=VALUE,...] | --variant NAME=bare ...]
     (default: --variant bare=bare --variant gateway=.)
 
@@ -20,9 +20,17 @@ its CPU ratio (2.35 times against 2.39 times at the ninth pass). Tracing slows t
 20 times, so a window of a few seconds holds a few hundred requests; the per-request figure
 divides by the requests the server started in the window (aiohttp's ``BaseRequest``).
 
+Tracing slows a server so much that S3's 64 streams saturate it: its reads then find
+several events waiting and take them at once, as the untraced server, idle most of the
+time under S3, never does. ``--concurrency 4`` (a few streams, the traced server mostly
+idle) counts what each event costs when it is read on its own, as S3's are; the
+request's own share of a stream is then larger, the process's background (shipping,
+journal commits) spread over fewer streams.
+
 Examples::
 
     python -m bench.opcodes                                  # bare relay and this tree, S1
+    python -m bench.opcodes --stream --concurrency 4         # each event read on its own
     python -m bench.opcodes --stream --chunks 2 --top 40
     git worktree add /tmp/before HEAD~1
     python -m bench.opcodes --variant before=/tmp/before --variant after=.
@@ -103,7 +111,7 @@ def _area(path: str) -> str:
     return "other (standard library)"
 
 
-async def measure(variant: Variant, *, stream: bool, chunks: int, seconds: float) -> Counts:
+async def measure(variant: Variant, *, stream: bool, chunks: int, seconds: float, concurrency: int | None = None) -> Counts:
     """Warm the server up, then count its instructions over ``seconds`` of load."""
     profile = profiles_for(False)["stream" if stream else "fast"]
     if stream:
@@ -121,7 +129,7 @@ async def measure(variant: Variant, *, stream: bool, chunks: int, seconds: float
             target = "bare" if variant.bare else "gateway"
             call = ctx.call(target, profile, stream_body(profile, chunks) if stream else whole_body(profile))
             pid = stack.bare_procs[profile.name].pid if variant.bare else stack.gateway.pid
-            concurrency = 64 if stream else 32
+            concurrency = concurrency or (64 if stream else 32)
             await closed_loop(lambda _i: call, concurrency=concurrency, duration=2.0, warmup=0.5)
             os.kill(pid, signal.SIGUSR1)
             result = await closed_loop(lambda _i: call, concurrency=concurrency, duration=seconds, warmup=0.0)
@@ -182,6 +190,8 @@ async def main(argv: list[str] | None = None) -> list[Counts]:
     parser.add_argument("--stream", action="store_true", help="S3's streams instead of S1's whole calls")
     parser.add_argument("--chunks", type=int, default=50, help="with --stream: chunks per stream (default 50)")
     parser.add_argument("--seconds", type=float, default=4.0, help="counted seconds per variant (default 4)")
+    parser.add_argument("--concurrency", type=int,
+                        help="clients at once (default 64 streams, 32 whole calls; a few: each event read alone)")
     parser.add_argument("--top", type=int, default=40, help="functions listed (default 40)")
     parser.add_argument("--json", type=Path, help="also write every count here")
     args = parser.parse_args(argv)
@@ -190,7 +200,10 @@ async def main(argv: list[str] | None = None) -> list[Counts]:
         parser.error("variant names must differ")
     if args.chunks < 1:
         parser.error("--chunks takes at least 1")
-    counts = [await measure(v, stream=args.stream, chunks=args.chunks, seconds=max(1.0, args.seconds))
+    if args.concurrency is not None and args.concurrency < 1:
+        parser.error("--concurrency takes at least 1")
+    counts = [await measure(v, stream=args.stream, chunks=args.chunks, seconds=max(1.0, args.seconds),
+                                  concurrency=args.concurrency)
               for v in variants]
     print(report(counts, args.top), flush=True)
     if args.json:

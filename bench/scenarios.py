@@ -378,7 +378,7 @@ async def s3(ctx: RunContext) -> ScenarioReport:
     report = ScenarioReport("S3", "streaming: 64 concurrent streams × 50 chunks at 20 ms")
     profile = profiles_for(ctx.quick)["stream"]
     # Streams start spread over one stream's length, then stay in phase: no waves of 64.
-    stream_seconds = (profile.chunks or 1) * profile.chunk_delay_ms / 1000
+    stream_seconds = profile.stream_seconds
     duration, warmup = ctx.seconds(10, 2), stream_seconds + (0.0 if ctx.quick else 1.0)
 
     def run_for(target: str) -> Run:
@@ -414,7 +414,7 @@ async def s3(ctx: RunContext) -> ScenarioReport:
 async def s4(ctx: RunContext) -> ScenarioReport:
     n = 200 if ctx.quick else 1000
     profile = profiles_for(ctx.quick)["trickle"]
-    seconds = (profile.chunks or 1) * profile.chunk_delay_ms / 1000
+    seconds = profile.stream_seconds
     report = ScenarioReport("S4", f"{n} concurrent slow streams ({profile.chunks} chunks × {profile.chunk_delay_ms} ms)")
     passes: dict[str, Measured] = {}
     for target in ctx.active():

@@ -1,7 +1,7 @@
 """Server CPU per request of one or more gateway builds, in alternated passes: an A/B test.
 
-    python -m bench.server_cpu [--stream [--chunks N[,M]]] [--seconds S] [--pairs N] [--no-budget] \\
-        --variant NAME=TREE[:VAR=VALUE,...] [--variant NAME=bare] [--variant ...]
+    python -m bench.server_cpu [--stream [--chunks N[,M]] [--in-phase]] [--keep-busy] [--seconds S] \\
+        [--pairs N] [--no-budget] --variant NAME=TREE[:VAR=VALUE,...] [--variant NAME=bare] [--variant ...]
     (or, from the repository root: PYTHONPATH=. python bench/server_cpu.py ...)
 
 A change of a few microseconds per request is below what one full ``python -m bench`` run
@@ -14,6 +14,19 @@ the gateway process's CPU over ``S`` measured seconds after a 2 s warm-up. Varia
 turns ``N`` times (A B A B ...), so a neighbour's noise lands on both; each pass prints its
 figure and the end the median per variant. The gateway is pinned to one CPU and the
 driver and fake provider to the other, as in ``python -m bench``.
+
+With ``--stream`` the streams start spread over one stream's length (64 streams x 50
+chunks 20 ms apart: a start every 16 ms), as S3 starts them, so each event reaches the
+server on its own; ``--in-phase`` starts them together, as this command did before the
+thirteenth pass: the 64 streams then stay in step and the server takes each 20 ms tick's
+64 events back to back. The two cost the gateway very differently (docs/benchmark.md,
+"The thirteenth pass"): S3's figure is the spread one.
+
+``--keep-busy`` runs a spinner on the server's CPU during each pass, under Linux's
+``SCHED_IDLE`` (it runs only when nothing else wants that CPU, and never preempts the
+server): the CPU never idles between two events. It measures how much of a server's CPU
+per request is the cost of waking on a core that went idle (caches and TLBs cold, the
+hypervisor's switch), not work of its own; the spinner's CPU is not the server's.
 
 ``NAME=bare`` is the bare relay (``bench/bare_relay.py``) as a variant of its own, measured
 in the same turns. ``--chunks N`` sets the streams' length (default 50); two lengths,
@@ -37,8 +50,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import os
 import statistics
+import subprocess
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,7 +64,7 @@ from bench.driver import closed_loop
 from bench.scenarios import RunContext, profiles_for, stream_body, whole_body
 from bench.stack import REPO, ProcWatch, Stack, StackOptions
 
-__all__ = ["Variant", "main", "measure", "parse_variant"]
+__all__ = ["Variant", "main", "measure", "parse_variant", "spinner"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +97,8 @@ def parse_variant(spec: str) -> Variant:
 
 
 async def measure(
-    variant: Variant, *, stream: bool, seconds: float, budget: bool, chunks: int = 50
+    variant: Variant, *, stream: bool, seconds: float, budget: bool, chunks: int = 50,
+    in_phase: bool = False, keep_busy: bool = False,
 ) -> tuple[float, float]:
     """One pass: (server CPU µs per request, requests/s)."""
     profile = profiles_for(False)["stream" if stream else "fast"]
@@ -94,14 +113,45 @@ async def measure(
         call = ctx.call(target, profile, stream_body(profile, chunks) if stream else whole_body(profile))
         pid = stack.bare_procs[profile.name].pid if variant.bare else stack.gateway.pid
         concurrency = 64 if stream else 32
-        await closed_loop(lambda _i: call, concurrency=concurrency, duration=2.0, warmup=0.5)
-        watch = ProcWatch(pid)
-        async with watch.window() as window:
-            result = await closed_loop(lambda _i: call, concurrency=concurrency, duration=seconds, warmup=0.5,
-                                       on_measure=lambda: watch.restart(window))
+        # S3's spread: one stream's length, over which the workers' first streams start.
+        stagger = 0.0 if not stream or in_phase else profile.stream_seconds
+        busy = spinner(stack.server_cpu, 2.0 + stagger + 0.5 + seconds + 30) if keep_busy and stack.pinned \
+            else contextlib.nullcontext()
+        with busy:
+            await closed_loop(lambda _i: call, concurrency=concurrency, duration=2.0, warmup=0.5, stagger=stagger)
+            watch = ProcWatch(pid)
+            async with watch.window() as window:
+                result = await closed_loop(lambda _i: call, concurrency=concurrency, duration=seconds,
+                                           warmup=0.5 + stagger, stagger=stagger,
+                                           on_measure=lambda: watch.restart(window))
     if not result.ok:
         raise RuntimeError(f"{variant.name}: no request succeeded ({dict(result.errors)})")
     return 1e6 * window.cpu / result.ok, result.rps
+
+
+#: The spinner ``--keep-busy`` runs: pinned to one CPU under SCHED_IDLE, a loop that touches
+#: next to no memory, ending by itself at its deadline (or when the pass kills it).
+_SPIN = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+deadline = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    for _ in range(1_000_000):
+        pass
+"""
+
+
+@contextlib.contextmanager
+def spinner(cpu: int, most_seconds: float) -> Iterator[subprocess.Popen[bytes]]:
+    """A SCHED_IDLE spinner on ``cpu`` while the block runs (``--keep-busy``), for
+    ``most_seconds`` at most."""
+    proc = subprocess.Popen([sys.executable, "-c", _SPIN, str(cpu), str(most_seconds)])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def _lengths(text: str) -> tuple[int, ...]:
@@ -128,6 +178,10 @@ async def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds per pass (default 8)")
     parser.add_argument("--pairs", type=int, default=3, help="passes per variant (default 3, at most 20)")
     parser.add_argument("--no-budget", action="store_true", help="the bench key without its budget")
+    parser.add_argument("--in-phase", action="store_true",
+                        help="with --stream: start the streams together (default: spread as S3 spreads them)")
+    parser.add_argument("--keep-busy", action="store_true",
+                        help="a SCHED_IDLE spinner on the server's CPU: it never idles between events")
     parser.add_argument("--chunks", type=_lengths, default=(50,),
                         help="with --stream: chunks per stream, N or N,M (two lengths: per chunk and per stream)")
     args = parser.parse_args(argv)
@@ -138,13 +192,18 @@ async def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     lengths: tuple[int, ...] = args.chunks if args.stream else (50,)
     if not args.stream and args.chunks != (50,):
         parser.error("--chunks needs --stream")
+    if args.in_phase and not args.stream:
+        parser.error("--in-phase needs --stream")
+    if args.keep_busy and not (hasattr(os, "SCHED_IDLE") and len(os.sched_getaffinity(0)) >= 2):
+        parser.error("--keep-busy needs Linux's SCHED_IDLE and two CPUs (the server's is kept busy)")
     unit = "stream" if args.stream else "request"
     figures: dict[str, list[float]] = {_label(v.name, n, lengths): [] for v in variants for n in lengths}
     for round_ in range(max(1, min(args.pairs, 20))):
         for variant in variants:
             for chunks in lengths:
                 cpu, rps = await measure(variant, stream=args.stream, seconds=max(1.0, args.seconds),
-                                         budget=not args.no_budget, chunks=chunks)
+                                         budget=not args.no_budget, chunks=chunks, in_phase=args.in_phase,
+                                         keep_busy=args.keep_busy)
                 label = _label(variant.name, chunks, lengths)
                 figures[label].append(cpu)
                 print(f"pass {round_ + 1} {label}: {cpu:,.1f} µs of server CPU per {unit} ({rps:,.0f}/s)", flush=True)

@@ -74,6 +74,12 @@ class Profile:
     def model(self) -> str:
         return f"bench-{self.name}"
 
+    @property
+    def stream_seconds(self) -> float:
+        """How long one of its streams lasts (its chunks' delays): S3 spreads the starts of
+        its streams over that, so they do not start and end together in waves."""
+        return (self.chunks or 1) * self.chunk_delay_ms / 1000
+
     def args(self) -> list[str]:
         out = ["--latency-ms", str(self.latency_ms), "--chunk-delay-ms", str(self.chunk_delay_ms)]
         if self.chunks is not None:

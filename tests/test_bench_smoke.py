@@ -132,6 +132,62 @@ async def test_server_cpu_splits_a_stream_into_per_chunk_and_per_stream_and_meas
         await main(["--chunks", "2,6", "--variant", f"here={REPO}"])  # lengths are for streams
 
 
+def test_the_keep_busy_spinner_idles_on_one_cpu_and_ends_with_its_block_or_its_deadline() -> None:
+    import time
+
+    from bench.server_cpu import spinner
+
+    cpus = os.sched_getaffinity(0)
+    if not hasattr(os, "SCHED_IDLE") or len(cpus) < 2:
+        pytest.skip("the spinner needs Linux's SCHED_IDLE and two CPUs")
+    cpu = max(cpus)
+    with spinner(cpu, 60) as proc:
+        deadline = time.monotonic() + 10
+        while os.sched_getscheduler(proc.pid) != os.SCHED_IDLE and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.sched_getscheduler(proc.pid) == os.SCHED_IDLE
+        assert os.sched_getaffinity(proc.pid) == {cpu}
+        assert proc.poll() is None
+    assert proc.poll() is not None  # killed with the block, well before its 60 s
+    with spinner(cpu, 0.2) as short:
+        assert short.wait(timeout=20) == 0  # its own deadline ends it
+
+
+async def test_server_cpu_spreads_streams_as_s3_does_unless_in_phase_and_keeps_the_cpu_busy_on_request(
+    pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench.scenarios import profiles_for
+    from bench.server_cpu import main
+
+    assert profiles_for(False)["stream"].stream_seconds == 1.0  # 50 chunks 20 ms apart: S3's spread
+    monkeypatch.setenv("BENCH_PG_ADMIN_DSN", pg_admin_dsn)
+    with pytest.raises(SystemExit):
+        await main(["--in-phase", "--variant", f"here={REPO}"])  # the phase is a stream's
+    busy = ["--keep-busy"] if hasattr(os, "SCHED_IDLE") and len(os.sched_getaffinity(0)) >= 2 else []
+    for phase in (["--in-phase"], []):
+        figures = await main(["--stream", "--chunks", "2", "--seconds", "1", "--pairs", "1", "--no-budget",
+                              *phase, *busy, "--variant", f"here={REPO}"])
+        assert list(figures) == ["here"] and figures["here"][0] > 0
+
+
+async def test_opcodes_counts_a_few_streams_each_event_read_alone(
+    pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bench.opcodes import main
+
+    monkeypatch.setenv("BENCH_PG_ADMIN_DSN", pg_admin_dsn)
+    with pytest.raises(SystemExit):
+        await main(["--concurrency", "0"])
+    (gateway,) = await main(["--stream", "--chunks", "3", "--concurrency", "1", "--seconds", "1", "--top", "3",
+                             "--variant", f"gateway={REPO}"])
+    # One client: a stream at a time (64 would have started 64 in the first moment).
+    assert 0 < gateway.requests < 64
+    # Each event is read on its own: the upstream's reads are at least the stream's chunks.
+    reads = sum(calls for (path, func, _), (_, calls) in gateway.functions.items()
+                if (path, func) == ("aiohttp/streams.py", "readany"))
+    assert reads >= 3 * gateway.requests
+
+
 async def test_opcodes_counts_each_variants_instructions_per_request(
     pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
