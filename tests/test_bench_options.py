@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
 from bench.cli import build_parser
 from bench.stack import key_create_argv
 
@@ -15,3 +19,47 @@ def test_the_bench_key_has_its_budget_unless_no_budget_is_asked() -> None:
     unbudgeted = key_create_argv(budget=False)
     assert "--budget-usd" not in unbudgeted and "--budget-period" not in unbudgeted
     assert "--rpm" in unbudgeted  # the limits stay: only the budget goes
+
+
+async def test_s3_reports_each_servers_least_cpu_per_chunk_of_its_rounds_and_every_round(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """S3's latency rows come from each target's best round by first chunk; its CPU per
+    chunk is each server's lowest round (noise only adds CPU), every round in a note."""
+    from bench import scenarios
+    from bench.driver import Result
+    from bench.stack import Window
+
+    # Per target, its rounds: (time to first chunk s, server CPU s) over 100 events.
+    rounds = {"direct": [(0.001, None)] * 3, "bare": [(0.002, 0.005), (0.003, 0.004), (0.004, 0.0045)],
+              "gateway": [(0.002, 0.009), (0.003, 0.007), (0.004, 0.008)]}
+    taken = {t: 0 for t in rounds}
+
+    async def fake_measure(ctx: Any, target: str, profile: Any, run: Any) -> scenarios.Measured:
+        ttfc, cpu = rounds[target][taken[target]]
+        taken[target] += 1
+        result = Result(latencies=[1.0] * 2, ttfcs=[ttfc] * 2, events=[50, 50], duration=1.0)
+        window = None if cpu is None else Window(start_rss=0, start_cpu=0.0, started=0.0, cpu=cpu, wall=1.0)
+        return scenarios.Measured(result, window)
+
+    class Ctx:
+        quick, rounds, duration = False, 3, None
+        stack = None
+
+        def seconds(self, full: float, quick: float) -> float:
+            return full
+
+        def call(self, target: str, profile: Any, body: Any) -> None:
+            return None
+
+        def active(self) -> list[str]:
+            return ["direct", "bare", "gateway"]
+
+    monkeypatch.setattr(scenarios, "measure", fake_measure)
+    report = await scenarios.s3(Ctx())  # type: ignore[arg-type]
+    cpu = next(r for r in report.rows if r.metric == "server CPU per chunk")
+    assert cpu.values == {"bare": 40.0, "gateway": 70.0}  # the lowest rounds, not the fastest-first-chunk ones
+    assert cpu.compare.startswith("1.75\u00d7 bare") and cpu.passed is False
+    ttfc = next(r for r in report.rows if r.metric == "time to first chunk p50")
+    assert ttfc.values["gateway"] == 2.0 and ttfc.values["bare"] == 2.0  # the best round by first chunk
+    assert any("bare 50, 40, 45 µs" in n and "gateway 90, 70, 80 µs" in n for n in report.notes)
