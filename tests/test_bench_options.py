@@ -63,3 +63,20 @@ async def test_s3_reports_each_servers_least_cpu_per_chunk_of_its_rounds_and_eve
     ttfc = next(r for r in report.rows if r.metric == "time to first chunk p50")
     assert ttfc.values["gateway"] == 2.0 and ttfc.values["bare"] == 2.0  # the best round by first chunk
     assert any("bare 50, 40, 45 µs" in n and "gateway 90, 70, 80 µs" in n for n in report.notes)
+
+
+def test_the_profile_sets_aside_a_pool_workers_unlink_but_not_the_loops(tmp_path: Any) -> None:
+    """A journal thread waiting in ``unlink`` uses no CPU; the loop's own unlink does."""
+    from bench.profiling import summarize
+
+    py = "/usr/lib/python3.11"
+    pool = (f"Thread._bootstrap ({py}/threading.py:1002);_worker ({py}/concurrent/futures/thread.py:83);"
+            f"_WorkItem.run ({py}/concurrent/futures/thread.py:58);Path.unlink ({py}/pathlib.py:1147)")
+    loop = (f"_run_module_as_main (<frozen runpy>:198);Runner.run ({py}/asyncio/runners.py:118);"
+            f"discard (/src/gateway/billing/journal.py:450);Path.unlink ({py}/pathlib.py:1147)")
+    ours = f"Runner.run ({py}/asyncio/runners.py:118);serve (/src/gateway/edge/pipeline.py:130)"
+    collapsed = tmp_path / "stacks.txt"
+    collapsed.write_text(f"{pool} 30\n{loop} 10\n{ours} 60\n")
+    summary = summarize(collapsed)
+    assert summary["samples"] == 70 and summary["blocked_share"] == 30.0
+    assert dict(summary["areas"]) == {"gateway (ours)": 85.7, "pathlib": 14.3}
