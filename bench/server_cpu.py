@@ -115,8 +115,9 @@ async def measure(
         concurrency = 64 if stream else 32
         # S3's spread: one stream's length, over which the workers' first streams start.
         stagger = 0.0 if not stream or in_phase else profile.stream_seconds
-        busy = spinner(stack.server_cpu, 2.0 + stagger + 0.5 + seconds + 30) if keep_busy and stack.pinned \
-            else contextlib.nullcontext()
+        if keep_busy and not stack.pinned:
+            raise RuntimeError("--keep-busy needs the server pinned to a CPU of its own (taskset, two CPUs)")
+        busy = spinner(stack.server_cpu, 2.0 + stagger + 0.5 + seconds + 30) if keep_busy else contextlib.nullcontext()
         with busy:
             await closed_loop(lambda _i: call, concurrency=concurrency, duration=2.0, warmup=0.5, stagger=stagger)
             watch = ProcWatch(pid)

@@ -163,7 +163,10 @@ async def test_server_cpu_spreads_streams_as_s3_does_unless_in_phase_and_keeps_t
     monkeypatch.setenv("BENCH_PG_ADMIN_DSN", pg_admin_dsn)
     with pytest.raises(SystemExit):
         await main(["--in-phase", "--variant", f"here={REPO}"])  # the phase is a stream's
-    busy = ["--keep-busy"] if hasattr(os, "SCHED_IDLE") and len(os.sched_getaffinity(0)) >= 2 else []
+    import shutil
+
+    pinned = len(os.sched_getaffinity(0)) >= 2 and shutil.which("taskset") is not None
+    busy = ["--keep-busy"] if hasattr(os, "SCHED_IDLE") and pinned else []
     for phase in (["--in-phase"], []):
         figures = await main(["--stream", "--chunks", "2", "--seconds", "1", "--pairs", "1", "--no-budget",
                               *phase, *busy, "--variant", f"here={REPO}"])
