@@ -51,7 +51,7 @@ from actors.runtime import Actor, ActorRef, ActorStopped, MailboxFull
 from gateway.billing.budgets import fetch_spend
 from gateway.billing.gate import BudgetGate
 from gateway.billing.journal import Journal
-from gateway.billing.ledger import UsageEvent, fetch_ledger_id, ship_lines
+from gateway.billing.ledger import NIL_UUID, fetch_ledger_id, ledger_line, ledger_row, ship_lines
 from gateway.billing.reservations import (
     PostgresReservations,
     Reservation,
@@ -270,23 +270,26 @@ class BillingActor(Actor[Flush | Spend | Settle]):
             )
         raise TypeError(f"unexpected message {msg!r}")
 
-    def ingest(self, event: UsageEvent) -> None:
-        """Journal, count and log one event. Synchronous (no await), so the handle calls
-        it from the handler's task, and it works after the actor stopped too (the
-        journal then writes and fsyncs a late event at once)."""
+    def ingest(self, call: CallRecord) -> None:
+        """Journal, count and log one finished call's ledger row. Synchronous (no await), so
+        the handle calls it from the handler's task, and it works after the actor stopped
+        too (the journal then writes and fsyncs a late row at once)."""
         journal = self.journal
-        cost = micro_usd(event.cost_usd)
-        journal.append(event.to_line(), event.api_key_id, event.subject_id, cost)
+        row = ledger_row(call)
+        # The spend counters are keyed by the ids as they are (the line may hold their text).
+        api_key_id, subject_id = call.api_key_id or NIL_UUID, call.subject_id or NIL_UUID
+        cost = micro_usd(call.cost_usd)
+        journal.append(ledger_line(row), api_key_id, subject_id, cost)
         self.recorded += 1
         if cost > 0:
-            self._key_spent[event.api_key_id] = self._key_spent.get(event.api_key_id, 0) + cost
-            self._subject_spent[event.subject_id] = self._subject_spent.get(event.subject_id, 0) + cost
-        if event.cost_source == "unpriced" and len(self._unpriced) < MAX_UNPRICED_MODELS:
-            self._unpriced.add(event.requested_model)
+            self._key_spent[api_key_id] = self._key_spent.get(api_key_id, 0) + cost
+            self._subject_spent[subject_id] = self._subject_spent.get(subject_id, 0) + cost
+        if call.cost_source == "unpriced" and len(self._unpriced) < MAX_UNPRICED_MODELS:
+            self._unpriced.add(call.requested_model[:256])  # as its row has it
         if journal.active_lines >= self._max_batch:
             self._wake_shipper.set()
         if log.isEnabledFor(logging.INFO):
-            _log_billing(event)
+            _log_billing(row)
 
     @property
     def has_budgets(self) -> bool:
@@ -396,47 +399,48 @@ def _replace(target: dict[uuid.UUID, int], base: dict[uuid.UUID, int], extra: di
         target[k] = target.get(k, 0) + v
 
 
-def _log_billing(event: UsageEvent) -> None:
-    """The per-call billing line (seed 000): key id, request id, cost, as structured
-    fields (one JSON object per line with ``LOG_FORMAT=json``, see gateway/observability/logs.py).
+def _log_billing(row: Mapping[str, Any]) -> None:
+    """The per-call billing line (seed 000) of a ledger row (:func:`ledger_row`): key id,
+    request id, cost, as structured fields (one JSON object per line with
+    ``LOG_FORMAT=json``, see gateway/observability/logs.py).
 
     When the line is made on the loop (:func:`lines_made_here`), its fields are stored into
     a copy of a dict holding them in the line's order (the bound request id's key first,
     where the line puts it), and the ids go as they are: orjson writes a UUID as ``str()``
-    does (an asyncpg UUID through ``default=str``), without ``UUID.__str__``'s Python
-    (0.55 µs an id). The same bytes; anything else sees the fields as they always were.
+    does, without ``UUID.__str__``'s Python (0.55 µs an id). The same bytes; anything else
+    sees the fields as they always were.
     """
     if lines_made_here(log):
         fields = (_BILLING_BOUND if current_request_id() is not None else _BILLING_UNBOUND).copy()
-        fields["api_key_id"] = event.api_key_id
-        fields["subject_id"] = event.subject_id
-        fields["request_id"] = event.request_id
-        fields["response_id"] = event.response_id
-        fields["model"] = event.requested_model
-        fields["served_model"] = event.served_model
-        fields["provider"] = event.provider
-        fields["prompt_tokens"] = event.prompt_tokens
-        fields["completion_tokens"] = event.completion_tokens
-        fields["cost_usd"] = event.cost_usd
-        fields["cost_diem"] = event.cost_diem
-        fields["cost_source"] = event.cost_source
-        fields["status"] = event.status
+        fields["api_key_id"] = row["api_key_id"]
+        fields["subject_id"] = row["subject_id"]
+        fields["request_id"] = row["request_id"]
+        fields["response_id"] = row["response_id"]
+        fields["model"] = row["requested_model"]
+        fields["served_model"] = row["served_model"]
+        fields["provider"] = row["provider"]
+        fields["prompt_tokens"] = row["prompt_tokens"]
+        fields["completion_tokens"] = row["completion_tokens"]
+        fields["cost_usd"] = row["cost_usd"]
+        fields["cost_diem"] = row["cost_diem"]
+        fields["cost_source"] = row["cost_source"]
+        fields["status"] = row["status"]
         hand_off_fields(log, "billing", fields)
         return
     payload = {
-        "api_key_id": str(event.api_key_id),
-        "subject_id": str(event.subject_id),
-        "request_id": event.request_id,
-        "response_id": event.response_id,
-        "model": event.requested_model,
-        "served_model": event.served_model,
-        "provider": event.provider,
-        "prompt_tokens": event.prompt_tokens,
-        "completion_tokens": event.completion_tokens,
-        "cost_usd": event.cost_usd,
-        "cost_diem": event.cost_diem,
-        "cost_source": event.cost_source,
-        "status": event.status,
+        "api_key_id": str(row["api_key_id"]),
+        "subject_id": str(row["subject_id"]),
+        "request_id": row["request_id"],
+        "response_id": row["response_id"],
+        "model": row["requested_model"],
+        "served_model": row["served_model"],
+        "provider": row["provider"],
+        "prompt_tokens": row["prompt_tokens"],
+        "completion_tokens": row["completion_tokens"],
+        "cost_usd": row["cost_usd"],
+        "cost_diem": row["cost_diem"],
+        "cost_source": row["cost_source"],
+        "status": row["status"],
     }
     log_fields(log, "billing", payload)
 
@@ -468,7 +472,7 @@ class BillingHandle:
         """Call listener: one event per finished call, in the journal's file when this
         returns (so before the client has the answer's end). Never waits, never raises."""
         try:
-            self._actor.ingest(UsageEvent.from_call(call))
+            self._actor.ingest(call)
         except Exception:
             log.exception("billing: LOST the event of call %s (%s)", call.call_id, call.request_id)
 

@@ -12,9 +12,9 @@ gateway does for it, each step timed on its own, ``N`` times in a row, the faste
   as the pipeline builds it, ``worst_case_micro_usd`` on the call's prices, and
   ``BillingHandle.reserve`` then ``settle`` drawing from a lease (what a busy key's
   call does: no I/O; the store is a stand-in that admits every lease);
-* the record side (the pipeline's ``_finish``): ``settle_cost``,
-  ``UsageEvent.from_call``, ``UsageEvent.to_line``, ``micro_usd`` of the event's
-  cost, and ``BillingHandle.record`` whole (the event built and journaled: one
+* the record side (the pipeline's ``_finish``): ``settle_cost``, ``ledger_row``,
+  ``ledger_line``, ``micro_usd`` of the call's cost, and ``BillingHandle.record`` whole
+  (the row built and journaled: one
   ``write`` into a journal under a temporary directory; the billing log line is off, as
   it is below INFO).
 
@@ -42,7 +42,7 @@ from actors.auth import VerifiedKey
 from actors.billing import BillingActor, BillingHandle
 from gateway.auth.keys import KeyPolicy
 from gateway.billing.journal import Journal
-from gateway.billing.ledger import UsageEvent
+from gateway.billing.ledger import ledger_line, ledger_row
 from gateway.billing.pricing import settle_cost
 from gateway.billing.reservations import Reservation, micro_usd, worst_case_micro_usd
 from gateway.core.config import parse_config
@@ -136,7 +136,7 @@ async def measure(calls: int = 2_000, repeats: int = 25) -> dict[str, float]:
         try:
             record = _record(key, router)
             settle_cost(record)
-            event = UsageEvent.from_call(record)
+            row = ledger_row(record)
             prices = [t.deployment.price for t in route.targets]
 
             async def reserve_and_settle() -> None:
@@ -153,9 +153,9 @@ async def measure(calls: int = 2_000, repeats: int = 25) -> dict[str, float]:
                 "worst_case_micro_usd": _per_call_us(lambda: worst_case_micro_usd(90, 4096, prices), calls, repeats),
                 "reserve+settle (lease)": await _per_call_us_async(reserve_and_settle, calls, repeats),
                 "settle_cost": _per_call_us(lambda: settle_cost(record), calls, repeats),
-                "UsageEvent.from_call": _per_call_us(lambda: UsageEvent.from_call(record), calls, repeats),
-                "UsageEvent.to_line": _per_call_us(event.to_line, calls, repeats),
-                "micro_usd(cost_usd)": _per_call_us(lambda: micro_usd(event.cost_usd), calls, repeats),
+                "ledger_row": _per_call_us(lambda: ledger_row(record), calls, repeats),
+                "ledger_line": _per_call_us(lambda: ledger_line(row), calls, repeats),
+                "micro_usd(cost_usd)": _per_call_us(lambda: micro_usd(record.cost_usd), calls, repeats),
                 "BillingHandle.record": _per_call_us(lambda: handle.record(record), calls, repeats),
             }
         finally:

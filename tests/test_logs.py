@@ -360,7 +360,7 @@ async def test_the_billing_line_is_the_line_of_its_standard_fields_byte_for_byte
         token = bind_request_id(request_id) if request_id is not None else None
         try:
             for one in events:
-                _log_billing(one)  # the loop's own way
+                _log_billing(one.row())  # the loop's own way, from the row
                 reference(one)
         finally:
             if token is not None:

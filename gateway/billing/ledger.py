@@ -1,7 +1,7 @@
-"""The usage ledger's rows: one :class:`UsageEvent` per chat call, and how batches land.
+"""The usage ledger's rows: one per chat call, and how batches land.
 
-An event is made from a finished :class:`~gateway.core.usage.CallRecord`, written to the
-local journal as one JSON line whose keys are the ledger's column names, and shipped
+A row is made from a finished :class:`~gateway.core.usage.CallRecord` (:func:`ledger_row`),
+written to the local journal as one JSON line whose keys are the ledger's column names, and shipped
 many lines at a time by :func:`ship_lines`: one ``INSERT ... SELECT FROM
 json_populate_recordset(...) ON CONFLICT (call_id) DO NOTHING``. The line on disk *is*
 the row, so nothing is decoded or re-encoded between the journal and PostgreSQL, and a
@@ -21,7 +21,7 @@ import orjson
 
 from gateway.core.usage import CallRecord
 
-__all__ = ["NIL_UUID", "LEDGER_COLUMNS", "UsageEvent", "fetch_ledger_id", "ship_lines"]
+__all__ = ["NIL_UUID", "LEDGER_COLUMNS", "UsageEvent", "fetch_ledger_id", "ledger_line", "ledger_row", "ship_lines"]
 
 NIL_UUID = uuid.UUID(int=0)
 _INT32_MAX = 2**31 - 1
@@ -53,14 +53,76 @@ def _short(value: str | None, limit: int = 256) -> str | None:
     return value[:limit] if isinstance(value, str) else None
 
 
+def ledger_row(call: CallRecord) -> dict[str, object]:
+    """A finished call's ledger row (its cost already settled): a dict keyed by column name,
+    in :data:`LEDGER_COLUMNS`' order, that orjson writes as its journal line
+    (:func:`ledger_line`).
+
+    One pass from the call to the row. There used to be a :class:`UsageEvent` between them,
+    its 27 fields set and then read again into the row, once per call (about 530 bytecode
+    instructions; this is about 250). Stores into a copy of a dict that has every column
+    already cost about half what a 27-key literal does. The checks are inline: a count
+    already inside its column's range (every real one) is kept as it is; anything else goes
+    to :func:`_clamp`, which also turns a bool or a float into an int. orjson writes a
+    stdlib UUID itself (its ``str()`` is ~0.6 µs, the same text); asyncpg's UUIDs are
+    another type it refuses, and their ``str()`` is cheap.
+    """
+    usage = call.usage
+    row = _ROW.copy()
+    call_id = call.call_id
+    api_key_id = call.api_key_id or NIL_UUID
+    subject_id = call.subject_id or NIL_UUID
+    row["call_id"] = call_id if type(call_id) is uuid.UUID else str(call_id)
+    row["request_id"] = call.request_id[:128]
+    response_id, served_model, provider = call.response_id, call.served_model, call.provider
+    row["response_id"] = response_id[:256] if isinstance(response_id, str) else None
+    row["api_key_id"] = api_key_id if type(api_key_id) is uuid.UUID else str(api_key_id)
+    row["subject_id"] = subject_id if type(subject_id) is uuid.UUID else str(subject_id)
+    row["requested_model"] = call.requested_model[:256]
+    row["served_model"] = served_model[:256] if isinstance(served_model, str) else None
+    row["provider"] = provider[:256] if isinstance(provider, str) else None
+    deployment = call.deployment
+    row["deployment"] = deployment[:256] if isinstance(deployment, str) else None
+    prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens
+    row["prompt_tokens"] = prompt_tokens if type(prompt_tokens) is int and 0 <= prompt_tokens <= _INT32_MAX \
+        else _clamp(prompt_tokens, _INT32_MAX)
+    row["completion_tokens"] = completion_tokens if type(completion_tokens) is int \
+        and 0 <= completion_tokens <= _INT32_MAX else _clamp(completion_tokens, _INT32_MAX)
+    row["usage_estimated"] = usage.estimated
+    row["cost_usd"] = call.cost_usd
+    cost_diem = usage.cost_diem
+    row["cost_diem"] = cost_diem if cost_diem is not None and cost_diem >= 0 else None
+    row["cost_source"] = call.cost_source
+    latency = call.latency
+    row["latency_seconds"] = latency if latency > 0.0 else 0.0  # max(0.0, latency), NaN and -0.0 included
+    row["ttft_seconds"] = call.ttft
+    status, retries, failovers = call.status, call.retries, call.failovers
+    row["status"] = status if type(status) is int and 0 <= status <= _INT16_MAX else _clamp(status, _INT16_MAX)
+    row["outcome"] = call.outcome
+    row["streamed"] = call.stream
+    row["retries"] = retries if type(retries) is int and 0 <= retries <= _INT16_MAX else _clamp(retries, _INT16_MAX)
+    row["failovers"] = failovers if type(failovers) is int and 0 <= failovers <= _INT16_MAX \
+        else _clamp(failovers, _INT16_MAX)
+    error_type = call.error_type
+    row["error_type"] = error_type[:256] if isinstance(error_type, str) else None
+    row["finish_reason"] = _short(call.finish_reasons[-1]) if call.finish_reasons else None
+    row["created_at"] = datetime.fromtimestamp(call.started_at, timezone.utc)
+    row["protocol"] = call.protocol
+    row["guardrails"] = (",".join(f"{p}:{a}" for p, a, _ in call.guardrails)[:1024] or None) \
+        if call.guardrails else None
+    return row
+
+
+def ledger_line(row: dict[str, object]) -> bytes:
+    """A ledger row's journal line: a JSON object keyed by column name, newline-terminated."""
+    return orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+
+
 @dataclass(slots=True)
 class UsageEvent:
-    """One finished call, as the ledger stores it (field names are column names).
-
-    Not ``frozen``: a frozen dataclass sets each of these 27 fields through
-    ``object.__setattr__``, which made building one event per call cost about twice as
-    much; nothing mutates an event after :meth:`from_call`.
-    """
+    """A ledger row as an object (field names are column names), for code that makes rows
+    without a call: tools, and tests that fill a ledger. A call's own row is
+    :func:`ledger_row`'s."""
 
     call_id: uuid.UUID
     request_id: str
@@ -93,93 +155,23 @@ class UsageEvent:
     #: The guardrail policies that acted, ``policy:action`` comma-joined (None: none).
     guardrails: str | None = None
 
-    @classmethod
-    def from_call(cls, call: CallRecord) -> UsageEvent:
-        """The event of a finished call (its cost already settled).
-
-        Positional, and the checks inline: this runs once per call (a keyword call and
-        one helper call per field made it about twice as dear). A count already inside its
-        column's range (every real one) is kept as it is; anything else goes to
-        :func:`_clamp`, which also turns a bool or a float into an int.
-        """
-        usage = call.usage
-        prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens
-        status, retries, failovers = call.status, call.retries, call.failovers
-        response_id, served_model, provider = call.response_id, call.served_model, call.provider
-        deployment, error_type, cost_diem = call.deployment, call.error_type, usage.cost_diem
-        latency = call.latency
-        return cls(
-            call.call_id,
-            call.request_id[:128],
-            response_id[:256] if isinstance(response_id, str) else None,
-            call.api_key_id or NIL_UUID,
-            call.subject_id or NIL_UUID,
-            call.requested_model[:256],
-            served_model[:256] if isinstance(served_model, str) else None,
-            provider[:256] if isinstance(provider, str) else None,
-            deployment[:256] if isinstance(deployment, str) else None,
-            prompt_tokens if type(prompt_tokens) is int and 0 <= prompt_tokens <= _INT32_MAX
-            else _clamp(prompt_tokens, _INT32_MAX),
-            completion_tokens if type(completion_tokens) is int and 0 <= completion_tokens <= _INT32_MAX
-            else _clamp(completion_tokens, _INT32_MAX),
-            usage.estimated,
-            call.cost_usd,
-            cost_diem if cost_diem is not None and cost_diem >= 0 else None,
-            call.cost_source,
-            latency if latency > 0.0 else 0.0,  # max(0.0, latency), NaN and -0.0 included
-            call.ttft,
-            status if type(status) is int and 0 <= status <= _INT16_MAX else _clamp(status, _INT16_MAX),
-            call.outcome,
-            call.stream,
-            retries if type(retries) is int and 0 <= retries <= _INT16_MAX else _clamp(retries, _INT16_MAX),
-            failovers if type(failovers) is int and 0 <= failovers <= _INT16_MAX else _clamp(failovers, _INT16_MAX),
-            error_type[:256] if isinstance(error_type, str) else None,
-            _short(call.finish_reasons[-1]) if call.finish_reasons else None,
-            call.started_at,
-            call.protocol,
-            (",".join(f"{p}:{a}" for p, a, _ in call.guardrails)[:1024] or None) if call.guardrails else None,
-        )
+    def row(self) -> dict[str, object]:
+        """The row as :func:`ledger_row` makes a call's: ids as orjson writes them, the
+        start as a UTC time."""
+        row: dict[str, object] = {name: getattr(self, name) for name in LEDGER_COLUMNS}
+        for name in ("call_id", "api_key_id", "subject_id"):
+            value = row[name]
+            if type(value) is not uuid.UUID:
+                row[name] = str(value)
+        row["created_at"] = datetime.fromtimestamp(self.created_at, timezone.utc)
+        return row
 
     def to_line(self) -> bytes:
-        """One journal line: a JSON object keyed by column name, newline-terminated."""
-        # Stores into a copy of a dict that has every column already (in LEDGER_COLUMNS'
-        # order, the line's) cost about half what a 27-key literal does, which grows its
-        # table as it goes.
-        row = _ROW.copy()
-        # orjson writes a stdlib UUID itself (its str() is ~0.6 µs, the same text);
-        # asyncpg's UUIDs are another type it refuses, and their str() is cheap.
-        call_id, api_key_id, subject_id = self.call_id, self.api_key_id, self.subject_id
-        row["call_id"] = call_id if type(call_id) is uuid.UUID else str(call_id)
-        row["request_id"] = self.request_id
-        row["response_id"] = self.response_id
-        row["api_key_id"] = api_key_id if type(api_key_id) is uuid.UUID else str(api_key_id)
-        row["subject_id"] = subject_id if type(subject_id) is uuid.UUID else str(subject_id)
-        row["requested_model"] = self.requested_model
-        row["served_model"] = self.served_model
-        row["provider"] = self.provider
-        row["deployment"] = self.deployment
-        row["prompt_tokens"] = self.prompt_tokens
-        row["completion_tokens"] = self.completion_tokens
-        row["usage_estimated"] = self.usage_estimated
-        row["cost_usd"] = self.cost_usd
-        row["cost_diem"] = self.cost_diem
-        row["cost_source"] = self.cost_source
-        row["latency_seconds"] = self.latency_seconds
-        row["ttft_seconds"] = self.ttft_seconds
-        row["status"] = self.status
-        row["outcome"] = self.outcome
-        row["streamed"] = self.streamed
-        row["retries"] = self.retries
-        row["failovers"] = self.failovers
-        row["error_type"] = self.error_type
-        row["finish_reason"] = self.finish_reason
-        row["created_at"] = datetime.fromtimestamp(self.created_at, timezone.utc)
-        row["protocol"] = self.protocol
-        row["guardrails"] = self.guardrails
-        return orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE)
+        """Its journal line (:func:`ledger_line`)."""
+        return ledger_line(self.row())
 
 
-#: Every column, in the line's order: what :meth:`UsageEvent.to_line` fills a copy of.
+#: Every column, in the line's order: what :func:`ledger_row` fills a copy of.
 _ROW: dict[str, object] = dict.fromkeys(LEDGER_COLUMNS)
 
 
