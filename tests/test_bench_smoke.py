@@ -150,7 +150,7 @@ def test_the_keep_busy_spinner_idles_on_one_cpu_and_ends_with_its_block_or_its_d
         assert proc.poll() is None
     assert proc.poll() is not None  # killed with the block, well before its 60 s
     with spinner(cpu, 0.2) as short:
-        assert short.wait(timeout=20) == 0  # its own deadline ends it
+        assert short.wait(timeout=60) == 0  # its own deadline ends it (a starved spinner looks late)
 
 
 async def test_server_cpu_spreads_streams_as_s3_does_unless_in_phase_and_keeps_the_cpu_busy_on_request(
