@@ -68,7 +68,7 @@ async def main(argv: list[str] | None = None) -> dict[tuple[int, str], list[floa
     if not 1 <= args.rounds <= 20 or not 1 <= args.chunks <= 1000 or args.seconds <= 0:
         parser.error("--rounds 1..20, --chunks 1..1000, --seconds > 0")
     profile = dataclasses.replace(profiles_for(False)["stream"], chunks=args.chunks)
-    stream_seconds = args.chunks * profile.chunk_delay_ms / 1000
+    stream_seconds = profile.stream_seconds
     firsts: dict[tuple[int, str], list[float]] = {(n, t): [] for n in args.concurrency for t in TARGETS}
     options = StackOptions(profiles=(profile,), bare=True, key_budget=not args.no_budget,
                            gateway_env=dict(args.gateway_env))

@@ -478,3 +478,38 @@ async def test_the_access_line_is_the_line_of_its_fields_byte_for_byte(monkeypat
     for fast, standard in zip(untimed[::2], untimed[1::2], strict=True):
         assert fast == standard
     assert "abcdefghijklmnop" not in out.getvalue() and "abcdefghijkl x" not in out.getvalue()
+
+
+def test_the_billing_line_through_the_standard_path_has_every_field_in_order() -> None:
+    # Where the line is not made on the loop (here a handler of the logger's own), its fields
+    # go to logging as a dict: every field, its ledger column's value, ids as text, in order.
+    from actors.billing import _log_billing
+    from gateway.billing.ledger import UsageEvent
+
+    key, subject = uuid.uuid4(), uuid.uuid4()
+    event = UsageEvent(
+        call_id=uuid.uuid4(), request_id="req-std", response_id="chatcmpl-9", api_key_id=key, subject_id=subject,
+        requested_model="asked", served_model="served", provider="prov", deployment="prov/served",
+        prompt_tokens=3, completion_tokens=4, usage_estimated=False, cost_usd=1e-05, cost_diem=0.25,
+        cost_source="price", latency_seconds=0.01, ttft_seconds=None, status=200, outcome="ok", streamed=False,
+        retries=0, failovers=0, error_type=None, finish_reason="stop", created_at=1.5e9,
+    )
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("gateway.billing")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        _log_billing(event.row())
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    (record,) = records
+    assert list(record.fields.items()) == [  # type: ignore[attr-defined]
+        ("api_key_id", str(key)), ("subject_id", str(subject)), ("request_id", "req-std"),
+        ("response_id", "chatcmpl-9"), ("model", "asked"), ("served_model", "served"), ("provider", "prov"),
+        ("prompt_tokens", 3), ("completion_tokens", 4), ("cost_usd", 1e-05), ("cost_diem", 0.25),
+        ("cost_source", "price"), ("status", 200),
+    ]
