@@ -80,3 +80,36 @@ def test_the_profile_sets_aside_a_pool_workers_unlink_but_not_the_loops(tmp_path
     summary = summarize(collapsed)
     assert summary["samples"] == 70 and summary["blocked_share"] == 30.0
     assert dict(summary["areas"]) == {"gateway (ours)": 85.7, "pathlib": 14.3}
+
+
+def test_bench_native_reads_perfs_shares_as_cpu_per_request() -> None:
+    """``bench.native`` turns ``perf report``'s percentages into µs of the server's CPU per
+    request: comments and blank lines skipped, a symbol's user/kernel mark kept (so a user
+    and a kernel symbol of one name never merge), one key's lines summed."""
+    from bench.native import Samples, parse_report, per_request, report
+
+    by_symbol = parse_report(
+        "# Samples: 30K of event 'cpu-clock'\n#\n"
+        "    35.80%  libpython3.11.so.1.0   [.] _PyEval_EvalFrameDefault\n"
+        "     2.50%  [kernel.kallsyms]      [k] copy_user_generic\n"
+        "     0.50%  [kernel.kallsyms]      [.] copy_user_generic\n"
+        "     0.25%  libc.so.6              [.] malloc\n"
+        "     0.25%  libc.so.6              [.] malloc\n"
+        "\n", 2)
+    assert by_symbol == pytest.approx({
+        ("libpython3.11.so.1.0", "[.] _PyEval_EvalFrameDefault"): 0.358,
+        ("[kernel.kallsyms]", "[k] copy_user_generic"): 0.025,
+        ("[kernel.kallsyms]", "[.] copy_user_generic"): 0.005,
+        ("libc.so.6", "[.] malloc"): 0.005,
+    })
+    assert parse_report("    98.58%     5736:python \n     1.42%     5741:python \n", 1) == pytest.approx(
+        {("5736:python",): 0.9858, ("5741:python",): 0.0142})
+    # 2 s of CPU over 10,000 requests is 200 µs a request; a quarter of the samples, 50.
+    bare = Samples("bare", 10_000, 2.0, {"libpython3.11.so.1.0": 0.8}, {}, {"main (event loop)": 1.0})
+    gateway = Samples("gateway", 5_000, 2.0, {"libpython3.11.so.1.0": 0.9, "orjson.so": 0.02}, {},
+                      {"main (event loop)": 0.95, "thread 7": 0.05})
+    assert bare.cpu_per_request == pytest.approx(200.0) and per_request(bare, 0.25) == pytest.approx(50.0)
+    text = report([bare, gateway], top=5)
+    assert "| gateway | 5,000 | 400.0 | 2.00\u00d7 |" in text
+    assert "| libpython3.11.so.1.0 | 160.0 | 360.0 |" in text and "| orjson.so | 0.0 | 8.0 |" in text
+    assert "| main (event loop) | 200.0 | 380.0 |" in text and "| thread 7 | 0.0 | 20.0 |" in text
