@@ -130,15 +130,15 @@ async def measure(variant: Variant, *, stream: bool, chunks: int, seconds: float
             await closed_loop(lambda _i: call, concurrency=concurrency, duration=2.0, warmup=0.5, stagger=stagger)
             watch = ProcWatch(pid)
             recorder: list[subprocess.Popen[bytes]] = []
-
-            def start() -> None:
-                # The perf window is the measured window: both start when the warm-up ends.
-                recorder.append(subprocess.Popen(
-                    ["perf", "record", "-e", "cpu-clock", "-F", str(FREQUENCY), "-p", str(pid), "-o", str(data),
-                     "--", "sleep", str(seconds)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-                watch.restart(window)
-
             async with watch.window() as window:
+
+                def start() -> None:
+                    # The perf window is the measured window: both start when the warm-up ends.
+                    recorder.append(subprocess.Popen(
+                        ["perf", "record", "-e", "cpu-clock", "-F", str(FREQUENCY), "-p", str(pid), "-o", str(data),
+                         "--", "sleep", str(seconds)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                    watch.restart(window)
+
                 result = await closed_loop(lambda _i: call, concurrency=concurrency, duration=seconds,
                                            warmup=0.5 + stagger, stagger=stagger, on_measure=start)
             for proc in recorder:
