@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import re
 import shutil
 import subprocess
@@ -40,9 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.driver import closed_loop
-from bench.scenarios import RunContext, profiles_for, stream_body, whole_body
-from bench.server_cpu import Variant, parse_variant
-from bench.stack import REPO, ProcWatch, Stack, StackOptions
+from bench.server_cpu import Variant, add_variant_options, chosen_variants, load_profile, variant_load
+from bench.stack import ProcWatch, Stack, StackOptions
 
 __all__ = ["Samples", "main", "measure", "parse_report", "per_request", "report"]
 
@@ -113,18 +111,12 @@ def perf_usable() -> str | None:
 
 async def measure(variant: Variant, *, stream: bool, chunks: int, seconds: float) -> Samples:
     """Warm the server up, then sample it over ``seconds`` of load."""
-    profile = profiles_for(False)["stream" if stream else "fast"]
-    if stream:
-        profile = dataclasses.replace(profile, chunks=chunks)
+    profile = load_profile(stream, chunks)
     options = StackOptions(profiles=(profile,), bare=variant.bare, gateway_env=variant.env, repo=variant.repo)
     with tempfile.TemporaryDirectory(prefix="bench-native-") as scratch:
         data = Path(scratch) / "perf.data"
         async with Stack(options) as stack:
-            assert stack.gateway is not None
-            ctx = RunContext(stack, False)
-            target = "bare" if variant.bare else "gateway"
-            call = ctx.call(target, profile, stream_body(profile, chunks) if stream else whole_body(profile))
-            pid = stack.bare_procs[profile.name].pid if variant.bare else stack.gateway.pid
+            call, pid = variant_load(stack, variant, profile, stream=stream, chunks=chunks)
             concurrency = 64 if stream else 32
             stagger = profile.stream_seconds if stream else 0.0  # S3's spread starts
             await closed_loop(lambda _i: call, concurrency=concurrency, duration=2.0, warmup=0.5, stagger=stagger)
@@ -202,18 +194,10 @@ def report(samples: list[Samples], top: int) -> str:
 async def main(argv: list[str] | None = None) -> list[Samples]:
     parser = argparse.ArgumentParser(prog="python -m bench.native", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", type=parse_variant, action="append",
-                        help="NAME=TREE[:VAR=VALUE,...] or NAME=bare (repeat; default bare and this tree)")
-    parser.add_argument("--stream", action="store_true", help="S3's streams instead of S1's whole calls")
-    parser.add_argument("--chunks", type=int, default=50, help="with --stream: chunks per stream (default 50)")
-    parser.add_argument("--seconds", type=float, default=6.0, help="sampled seconds per variant (default 6)")
+    add_variant_options(parser, seconds=6.0, per_variant="sampled")
     parser.add_argument("--top", type=int, default=25, help="symbols listed (default 25)")
     args = parser.parse_args(argv)
-    variants: list[Variant] = args.variant or [parse_variant("bare=bare"), parse_variant(f"gateway={REPO}")]
-    if len({v.name for v in variants}) != len(variants):
-        parser.error("variant names must differ")
-    if args.chunks < 1:
-        parser.error("--chunks takes at least 1")
+    variants = chosen_variants(parser, args)
     why = perf_usable()
     if why is not None:
         parser.exit(2, f"python -m bench.native: {why}\n")

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import signal
@@ -50,8 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.driver import closed_loop
-from bench.scenarios import RunContext, profiles_for, stream_body, whole_body
-from bench.server_cpu import Variant, parse_variant
+from bench.server_cpu import Variant, add_variant_options, chosen_variants, load_profile, variant_load
 from bench.stack import REPO, Stack, StackOptions
 
 __all__ = ["Counts", "main", "measure"]
@@ -113,9 +111,7 @@ def _area(path: str) -> str:
 
 async def measure(variant: Variant, *, stream: bool, chunks: int, seconds: float, concurrency: int | None = None) -> Counts:
     """Warm the server up, then count its instructions over ``seconds`` of load."""
-    profile = profiles_for(False)["stream" if stream else "fast"]
-    if stream:
-        profile = dataclasses.replace(profile, chunks=chunks)
+    profile = load_profile(stream, chunks)
     with tempfile.TemporaryDirectory(prefix="bench-opcodes-") as scratch:
         out = Path(scratch) / "counts.json"
         tree = REPO if variant.bare else variant.repo
@@ -124,11 +120,7 @@ async def measure(variant: Variant, *, stream: bool, chunks: int, seconds: float
         options = StackOptions(profiles=(profile,), bare=variant.bare, gateway_env=env, repo=variant.repo,
                                bare_env=env if variant.bare else {})
         async with Stack(options) as stack:
-            assert stack.gateway is not None
-            ctx = RunContext(stack, False)
-            target = "bare" if variant.bare else "gateway"
-            call = ctx.call(target, profile, stream_body(profile, chunks) if stream else whole_body(profile))
-            pid = stack.bare_procs[profile.name].pid if variant.bare else stack.gateway.pid
+            call, pid = variant_load(stack, variant, profile, stream=stream, chunks=chunks)
             concurrency = concurrency or (64 if stream else 32)
             await closed_loop(lambda _i: call, concurrency=concurrency, duration=2.0, warmup=0.5)
             os.kill(pid, signal.SIGUSR1)
@@ -185,21 +177,13 @@ def report(counts: list[Counts], top: int) -> str:
 async def main(argv: list[str] | None = None) -> list[Counts]:
     parser = argparse.ArgumentParser(prog="python -m bench.opcodes", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", type=parse_variant, action="append",
-                        help="NAME=TREE[:VAR=VALUE,...] or NAME=bare (repeat; default bare and this tree)")
-    parser.add_argument("--stream", action="store_true", help="S3's streams instead of S1's whole calls")
-    parser.add_argument("--chunks", type=int, default=50, help="with --stream: chunks per stream (default 50)")
-    parser.add_argument("--seconds", type=float, default=4.0, help="counted seconds per variant (default 4)")
+    add_variant_options(parser, seconds=4.0, per_variant="counted")
     parser.add_argument("--concurrency", type=int,
                         help="clients at once (default 64 streams, 32 whole calls; a few: each event read alone)")
     parser.add_argument("--top", type=int, default=40, help="functions listed (default 40)")
     parser.add_argument("--json", type=Path, help="also write every count here")
     args = parser.parse_args(argv)
-    variants: list[Variant] = args.variant or [parse_variant("bare=bare"), parse_variant(f"gateway={REPO}")]
-    if len({v.name for v in variants}) != len(variants):
-        parser.error("variant names must differ")
-    if args.chunks < 1:
-        parser.error("--chunks takes at least 1")
+    variants = chosen_variants(parser, args)
     if args.concurrency is not None and args.concurrency < 1:
         parser.error("--concurrency takes at least 1")
     counts = [await measure(v, stream=args.stream, chunks=args.chunks, seconds=max(1.0, args.seconds),

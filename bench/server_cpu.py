@@ -60,11 +60,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.driver import closed_loop
+from bench.driver import Call, closed_loop
 from bench.scenarios import RunContext, profiles_for, stream_body, whole_body
-from bench.stack import REPO, ProcWatch, Stack, StackOptions
+from bench.stack import REPO, ProcWatch, Profile, Stack, StackOptions
 
-__all__ = ["Variant", "main", "measure", "parse_variant", "spinner"]
+__all__ = [
+    "Variant", "add_variant_options", "chosen_variants", "load_profile", "main", "measure", "parse_variant", "spinner",
+    "variant_load",
+]
 
 
 @dataclass(frozen=True)
@@ -96,22 +99,55 @@ def parse_variant(spec: str) -> Variant:
     return Variant(name, repo, env)
 
 
+def load_profile(stream: bool, chunks: int = 50) -> Profile:
+    """The upstream of S1's load (``fast``) or of S3's streams, ``chunks`` long."""
+    profile = profiles_for(False)["stream" if stream else "fast"]
+    return dataclasses.replace(profile, chunks=chunks) if stream else profile
+
+
+def variant_load(stack: Stack, variant: Variant, profile: Profile, *, stream: bool, chunks: int) -> tuple[Call, int]:
+    """What the tools drive at one variant's server in ``stack``: the call (S1's whole
+    answer or S3's stream) and the server's process id."""
+    ctx = RunContext(stack, False)
+    target = "bare" if variant.bare else "gateway"
+    call = ctx.call(target, profile, stream_body(profile, chunks) if stream else whole_body(profile))
+    assert stack.gateway is not None
+    pid = stack.bare_procs[profile.name].pid if variant.bare else stack.gateway.pid
+    return call, pid
+
+
+def add_variant_options(parser: argparse.ArgumentParser, *, seconds: float, per_variant: str) -> None:
+    """The options ``bench.opcodes`` and ``bench.native`` share: variants, S3's streams, their
+    length, and the seconds measured (``per_variant`` says what is done in them)."""
+    parser.add_argument("--variant", type=parse_variant, action="append",
+                        help="NAME=TREE[:VAR=VALUE,...] or NAME=bare (repeat; default bare and this tree)")
+    parser.add_argument("--stream", action="store_true", help="S3's streams instead of S1's whole calls")
+    parser.add_argument("--chunks", type=int, default=50, help="with --stream: chunks per stream (default 50)")
+    parser.add_argument("--seconds", type=float, default=seconds,
+                        help=f"{per_variant} seconds per variant (default {seconds:g})")
+
+
+def chosen_variants(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[Variant]:
+    """The variants :func:`add_variant_options` parsed (default: the bare relay and this
+    tree), checked with the chunks; a usage error otherwise."""
+    variants: list[Variant] = args.variant or [parse_variant("bare=bare"), parse_variant(f"gateway={REPO}")]
+    if len({v.name for v in variants}) != len(variants):
+        parser.error("variant names must differ")
+    if args.chunks < 1:
+        parser.error("--chunks takes at least 1")
+    return variants
+
+
 async def measure(
     variant: Variant, *, stream: bool, seconds: float, budget: bool, chunks: int = 50,
     in_phase: bool = False, keep_busy: bool = False,
 ) -> tuple[float, float]:
     """One pass: (server CPU µs per request, requests/s)."""
-    profile = profiles_for(False)["stream" if stream else "fast"]
-    if stream:
-        profile = dataclasses.replace(profile, chunks=chunks)
+    profile = load_profile(stream, chunks)
     options = StackOptions(profiles=(profile,), bare=variant.bare, gateway_env=variant.env, key_budget=budget,
                            repo=variant.repo)
     async with Stack(options) as stack:
-        assert stack.gateway is not None
-        ctx = RunContext(stack, False)
-        target = "bare" if variant.bare else "gateway"
-        call = ctx.call(target, profile, stream_body(profile, chunks) if stream else whole_body(profile))
-        pid = stack.bare_procs[profile.name].pid if variant.bare else stack.gateway.pid
+        call, pid = variant_load(stack, variant, profile, stream=stream, chunks=chunks)
         concurrency = 64 if stream else 32
         # S3's spread: one stream's length, over which the workers' first streams start.
         stagger = 0.0 if not stream or in_phase else profile.stream_seconds
