@@ -433,7 +433,10 @@ def _log_billing(row: Mapping[str, Any]) -> None:
 
 
 #: The billing line's fields in its order (:func:`_log_billing`), each with the ledger
-#: column it shows (the fast path above stores the same, one by one: no loop per call).
+#: column it shows. The fast path above stores the same one by one, on purpose: read
+#: through this table (``dict(zip(names, itemgetter(*columns)(row)))``) the fields took
+#: 1.1-1.3 µs a call against 0.6; the byte-for-byte test in tests/test_logs.py holds the two to
+#: one line.
 _BILLING_FIELDS: tuple[tuple[str, str], ...] = (
     ("api_key_id", "api_key_id"), ("subject_id", "subject_id"), ("request_id", "request_id"),
     ("response_id", "response_id"), ("model", "requested_model"), ("served_model", "served_model"),

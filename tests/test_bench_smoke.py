@@ -244,3 +244,30 @@ async def test_threads_reads_each_servers_threads_per_request(
     for bad in (["--concurrency", "0"], ["--profile", "stream"], ["--gateway-env", "NOVALUE"]):
         with pytest.raises(SystemExit):
             await main(bad)
+
+
+async def test_native_samples_each_variant_below_python(
+    pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.native import main, perf_usable
+
+    why = perf_usable()
+    if why is not None:
+        pytest.skip(why)
+    monkeypatch.setenv("BENCH_PG_ADMIN_DSN", pg_admin_dsn)
+    with pytest.raises(SystemExit):
+        await main(["--chunks", "0"])
+    bare, gateway = await main(["--seconds", "1", "--top", "3"])
+    assert (bare.name, gateway.name) == ("bare", "gateway")
+    assert bare.requests > 0 and gateway.requests > 0 and bare.cpu_seconds > 0 and gateway.cpu_seconds > 0
+    for samples in (bare, gateway):
+        # The samples are the server's own: the interpreter is most of them, its event loop's
+        # thread the largest, and the shares are of one whole (each table sums to one).
+        assert "python" in max(samples.by_dso, key=lambda dso: samples.by_dso[dso])
+        assert max(samples.by_thread, key=lambda t: samples.by_thread[t]) == "main (event loop)"
+        assert sum(samples.by_dso.values()) == pytest.approx(1.0, abs=0.02)
+        assert sum(samples.by_thread.values()) == pytest.approx(1.0, abs=0.02)
+    # Only the gateway runs the gateway's C dependencies (orjson encodes its ledger and log lines).
+    assert not any("orjson" in dso for dso in bare.by_dso)
+    out = capsys.readouterr().out
+    assert "| bare | " in out and "| gateway | " in out and "| main (event loop) |" in out
