@@ -131,17 +131,20 @@ _MAX_TEMPLATE_MISSES = 3
 class StreamTap:
     """Watches a relayed stream's chunks: ids, finish reasons, usage, delivered text.
 
-    ``inspect`` is called once per ``data:`` payload and says whether to forward it:
-    a usage-only chunk the client did not ask for is swallowed.
+    The relay hands it each event (:meth:`inspect_event`), then, for an event that was
+    not a content chunk of the template's shape, its ``data:`` payload (:meth:`inspect`),
+    which says whether to forward it: a usage-only chunk the client did not ask for is
+    swallowed.
 
     A provider sends its content chunks byte for byte alike but for the text (same id,
     model, created, one choice, no finish reason, ``"usage":null``; OpenAI's random
     ``obfuscation`` string aside). A chunk parsed whole that has that shape becomes the
-    template: its bytes around the text (and the padding). A later payload made of the
-    same bytes around strings that need no JSON escape is that same object with another
-    text, so it is accounted for without a parse (its text counted and kept, nothing else
-    changes); anything else is parsed as before. The result, malformed payloads included,
-    is what a parse of every payload gives.
+    template: the bytes of its event (one ``data:`` line) around the text (and the
+    padding). A later event made of the same bytes around strings that need no JSON escape
+    is one line, its payload that same object with another text, so it is accounted for
+    without a parse (its text counted and kept, nothing else changes); anything else is
+    parsed as before. The result, malformed payloads included, is what a parse of every
+    payload gives.
     """
 
     __slots__ = (
@@ -178,45 +181,59 @@ class StreamTap:
         self._saw_usage = False
         #: The delivered text, kept only when content capture is on (CAPTURE_GENAI_CONTENT).
         self._kept_text: list[str] | None = [] if keep_text else None
-        #: The template content chunk's bytes before its text (None: no template), after it
-        #: (to the end, or to its padding's string), and after the padding (None: none).
+        #: The template content chunk's event's bytes before its text (None: no template),
+        #: after it (to the end, or to its padding's string), and after the padding (None:
+        #: none); the event's ``data: `` and blank line included.
         self._text_prefix: bytes | None = None
         self._text_rest = b""
         self._pad_tail: bytes | None = None
         self._template_misses = 0
 
+    def inspect_event(self, event: bytes) -> bool:
+        """Account for one event if it is a content chunk of the template's shape on one
+        ``data:`` line (True: it is relayed, its payload ``event[6:-2]``); else count nothing
+        (False: the event is to be read whole, its payload given to :meth:`inspect`).
+
+        Most chunks of most streams end here: the relay asks it first, so they are neither
+        cut out of their event (``event_data``) nor looked at twice.
+        """
+        prefix = self._text_prefix
+        if prefix is None or not event.startswith(prefix):
+            return False
+        start, rest = len(prefix), self._text_rest
+        if self._pad_tail is None:
+            # Its bytes from the text's start end with the rest (and are at least as long).
+            if not event.endswith(rest, start):
+                return False
+            raw = event[start : -len(rest)]
+        else:
+            end = event.find(b'"', start)  # the text's closing quote: a plain text has none of its own
+            if end < 0 or not event.startswith(rest, end) or not self._padded(event, end):
+                return False
+            raw = event[start:end]
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            return False  # not UTF-8: the parse says it is malformed
+        # A plain string (what _PLAIN_STRING matches) in three C calls on the decoded text,
+        # half the regex's cost: isprintable() is False for every control character (the
+        # newline too: the event stays one line) and for a few other characters, parsed.
+        if not text.isprintable() or '"' in text or "\\" in text:
+            return False
+        self.chunks += 1  # first_chunk_at is set: the template came from a chunk parsed before
+        self.text_chars += len(text)
+        if self._kept_text is not None:
+            self._kept_text.append(text)
+        return True
+
     def inspect(self, data: bytes) -> bool:
-        """Account for one payload; returns False if it must not reach the client."""
+        """Account for one payload (parsed); returns False if it must not reach the client."""
         if data == b"[DONE]":
             self.done = True
             return True
         if self.first_chunk_at is None:
             self.first_chunk_at = time.monotonic()
         self.chunks += 1
-        prefix = self._text_prefix
-        if prefix is not None and data.startswith(prefix):
-            # Inline (not a method): this is most chunks of most streams.
-            start, rest = len(prefix), self._text_rest
-            if self._pad_tail is None:
-                end = len(data) - len(rest)
-                fits = end >= start and data.endswith(rest)
-            else:
-                end = data.find(b'"', start)  # the text's closing quote: a plain text has none of its own
-                fits = end >= 0 and data.startswith(rest, end) and self._padded(data, end)
-            if fits:
-                try:
-                    text = data[start:end].decode()
-                except UnicodeDecodeError:
-                    text = ""  # not UTF-8: the parse below says it is malformed
-                    fits = False
-                # A plain string (what _PLAIN_STRING matches) in three C calls on the
-                # decoded text, half the regex's cost: isprintable() is False for every
-                # control character (and for a few other characters, parsed below).
-                if fits and text.isprintable() and '"' not in text and "\\" not in text:
-                    self.text_chars += len(text)
-                    if self._kept_text is not None:
-                        self._kept_text.append(text)
-                    return True
         try:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -249,19 +266,19 @@ class StreamTap:
             self._learn_template(data, choices[0])
         return True
 
-    def _padded(self, data: bytes, end: int) -> bool:
-        """Whether ``data`` goes on from its text (closed at ``end``) as the template's
+    def _padded(self, event: bytes, end: int) -> bool:
+        """Whether ``event`` goes on from its text (closed at ``end``) as the template's
         padding does: the bytes to the padding's string, a plain string, the tail."""
         tail = self._pad_tail
         assert tail is not None
         after = end + len(self._text_rest)
-        pad_end = data.find(b'"', after)
-        if pad_end < 0 or pad_end + len(tail) != len(data) or not data.startswith(tail, pad_end) \
-                or not _PLAIN_STRING.fullmatch(data, after, pad_end):
+        pad_end = event.find(b'"', after)
+        if pad_end < 0 or pad_end + len(tail) != len(event) or not event.startswith(tail, pad_end) \
+                or not _PLAIN_STRING.fullmatch(event, after, pad_end):
             return False
-        if not data.isascii():
+        if not event.isascii():
             try:
-                data[after:pad_end].decode()
+                event[after:pad_end].decode()
             except UnicodeDecodeError:
                 return False  # not UTF-8: the parse says it is malformed
         return True
@@ -270,12 +287,12 @@ class StreamTap:
         """Take ``data`` as the template of content chunks if it is one: a single choice
         with a text delta and no finish reason, no usage or cost (the caller checked), the
         text's key and the text written plainly (no escape anywhere, one ``"content"``),
-        and OpenAI's padding, if any, after the text."""
+        and OpenAI's padding, if any, after the text. No newline: its event is one line."""
         if not isinstance(choice, dict) or isinstance(choice.get("finish_reason"), str):
             return
         delta = choice.get("delta")
         content = delta.get("content") if isinstance(delta, dict) else None
-        if not isinstance(content, str) or b"\\" in data or data.count(_CONTENT_KEY) != 1:
+        if not isinstance(content, str) or b"\\" in data or b"\n" in data or data.count(_CONTENT_KEY) != 1:
             return
         start = data.find(_CONTENT_OPENS)
         if start < 0:
@@ -292,7 +309,11 @@ class StreamTap:
             rest, tail = data[end:pad], data[data.find(b'"', pad) :]
         if self._text_prefix is not None:
             self._template_misses += 1  # the one before did not fit a chunk of its shape
-        self._text_prefix, self._text_rest, self._pad_tail = data[:start], rest, tail
+        if tail is None:
+            rest += b"\n\n"
+        else:
+            tail += b"\n\n"
+        self._text_prefix, self._text_rest, self._pad_tail = b"data: " + data[:start], rest, tail
 
     def kept_text(self) -> str | None:
         """The delivered text if ``keep_text`` was asked for, else None."""

@@ -96,6 +96,9 @@ class TapRelay(StreamRelay):
         self.tap = tap
 
     def feed(self, event: bytes) -> bytes | None:
+        if self.tap.inspect_event(event):
+            # Most chunks: one line, a content chunk the tap's template accounted for.
+            return self.chunk(event, event[6:-2])
         data = event_data(event)
         if data is None:
             return self.no_data(event)
