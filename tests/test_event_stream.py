@@ -217,6 +217,33 @@ def test_the_stream_gives_what_the_generator_layers_gave(stream: bytes, cuts: li
     asyncio.run(run())
 
 
+# Reads as a stream's mostly are (one whole event on one line, given without the
+# splitter), between reads that leave the splitter holding something: part of an event, a
+# CR, a CRLF event, a blank one.
+_reads = st.lists(st.sampled_from([b'data: {"a":1}\n\n', b"data: x\n\n", b"data: [DONE]\n\n", b":c\n\n",
+                                   b" data: x\n\n", b"\t\n\n", b"data: x\r\n\r\n", b"data: x\r\n\n",
+                                   b"data: x\r", b"\n\n", b"data: a\rb\n\n", b"data: y", b"\n", b"\r\n",
+                                   b"data: a\ndata: b\n\n", b"data: x\n\ndata: y\n\n"]), min_size=1, max_size=12)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=300, deadline=None)
+@given(_reads)
+def test_a_read_of_one_whole_event_is_that_event_whatever_came_before(reads: list[bytes]) -> None:
+    async def run() -> None:
+        expected, _ = await _drain(_reference_iter_events(_aiter(reads)))
+        assert await _drain(_stream(list(reads))) == (expected, None)
+
+    asyncio.run(run())
+
+
+async def test_a_read_of_one_whole_event_is_given_as_it_came() -> None:
+    reads = [b'data: {"a":1}\n\n', b"data: x", b'data: {"b":2}\n\n', b'data: {"c":3}\n\n']
+    stream = _stream(list(reads))
+    got = [event async for event in stream]
+    assert got == [reads[0], b'data: xdata: {"b":2}\n\n', reads[3]]
+    assert got[0] is reads[0] and got[2] is reads[3]  # as they came (the splitter held nothing), not copied
+
+
 @pytest.mark.parametrize(("failure", "mapped"), [
     (aiohttp.ClientPayloadError("cut"), UpstreamProtocolError),
     (aiohttp.SocketTimeoutError("silent"), UpstreamTimeoutError),

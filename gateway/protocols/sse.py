@@ -36,13 +36,16 @@ class EventSplitter:
     the last blank line (an unterminated event), terminated, so nothing sent is lost.
     """
 
-    __slots__ = ("_buf", "_held_cr", "_max_event_bytes", "_scan_from")
+    __slots__ = ("_buf", "_held_cr", "_max_event_bytes", "_scan_from", "between_events")
 
     def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._buf = bytearray()
         self._scan_from = 0  # where the next search for a blank line starts; never rescans a byte
         self._held_cr = False  # the previous chunk ended in "\r": it may be half of a CRLF
         self._max_event_bytes = max_event_bytes
+        #: Nothing of an event is held (no bytes, no CR): the next chunk starts one. A reader
+        #: may then take a chunk that is one whole one-line event as it is, as :meth:`feed` does.
+        self.between_events = True
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The events ``chunk`` completes, in order (none, or often ``[chunk]`` itself).
@@ -51,23 +54,23 @@ class EventSplitter:
         events the chunk completed before it are the exception's ``events``.
         """
         size = len(chunk)
-        buf = self._buf
         newline = chunk.find(b"\n")
-        if (not buf and not self._held_cr
+        if (self.between_events
                 # Its only blank line is its end: a one-line event's first newline is its
                 # end's (one memchr, and its last byte a newline), else it ends in "\n\n"
-                # with none before. rfind and the one-byte finds are C's fast searches; `in`
-                # and find of two bytes cost four times as much on a 200-byte chunk.
+                # with none before. rfind, the one-byte finds and `in` of an int (CR) are
+                # C's fast searches (memchr); `in` of bytes and find of two bytes cost four
+                # times as much on a 200-byte chunk.
                 and ((newline == size - 2 and chunk[-1] == 0x0A)
                      or (chunk.endswith(b"\n\n") and chunk.rfind(b"\n\n", 0, size - 1) < 0))
-                and chunk.find(b"\r") < 0):
+                and 0x0D not in chunk):
             # The common case of a relayed stream: a read that is exactly one whole event.
             # It is given as it came, without copying it through the buffer (the same
             # bytes the general path would give).
             return [chunk] if chunk[0] > 0x20 or chunk.strip() else []
         if not chunk:
             return []
-        if not buf and not self._held_cr and chunk.endswith(b"\n\n") and chunk.find(b"\r") < 0:
+        if self.between_events and chunk.endswith(b"\n\n") and 0x0D not in chunk:
             # A read of several whole events (a stream's end: its usage chunk and [DONE]
             # together): one split gives what the loop below would, event for event (a
             # split is the same left-to-right search for blank lines), with no buffer.
@@ -75,6 +78,7 @@ class EventSplitter:
             if not parts[-1]:  # else the last blank line was part of "\n\n\n": the loop below
                 del parts[-1]
                 return [part + b"\n\n" for part in parts if part.strip()]
+        buf = self._buf
         if self._held_cr:
             chunk = b"\r" + chunk
         held_cr = self._held_cr = chunk.endswith(b"\r")
@@ -82,7 +86,7 @@ class EventSplitter:
             chunk = chunk[:-1]
         # Folding each chunk on its own (with a held trailing CR) keeps the work linear
         # and never moves bytes already scanned, whatever the split.
-        if b"\r" in chunk:
+        if 0x0D in chunk:
             chunk = chunk.replace(b"\r\n", b"\n")
         buf += chunk
         events = []
@@ -99,6 +103,7 @@ class EventSplitter:
         if start:
             del buf[:start]  # one deletion per chunk, not one per event
         self._scan_from = max(0, len(buf) - 1)
+        self.between_events = not buf and not held_cr
         if len(buf) > self._max_event_bytes:
             raise EventTooLarge(f"SSE event over {self._max_event_bytes} bytes", events)
         return events
@@ -113,6 +118,7 @@ class EventSplitter:
         tail = bytes(buf).strip(b"\n")
         buf.clear()
         self._scan_from = 0
+        self.between_events = True
         return tail + b"\n\n" if tail.strip() else None
 
 
