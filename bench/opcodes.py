@@ -2,7 +2,7 @@
 measure of the features' cost that a noisy machine does not move.
 
     python -m bench.opcodes [--stream [--chunks N]] [--concurrency N] [--seconds S] [--top K] [--json PATH] \\
-        [--variant NAME=TREE[:VAR=VALUE,...] | --variant NAME=bare ...]
+        [--lines TEXT] [--variant NAME=TREE[:VAR=VALUE,...] | --variant NAME=bare ...]
     (default: --variant bare=bare --variant gateway=.)
 
 CPU figures on a small shared machine move by ±10 % between runs, so a change worth 3 %
@@ -34,6 +34,7 @@ Examples::
     python -m bench.opcodes --stream --chunks 2 --top 40
     git worktree add /tmp/before HEAD~1
     python -m bench.opcodes --variant before=/tmp/before --variant after=.
+    python -m bench.opcodes --variant gateway=. --lines gateway/edge/dispatch.py  # where a function's count goes
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import os
 import signal
 import tempfile
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.driver import closed_loop
@@ -75,6 +76,8 @@ class Counts:
     requests: int
     #: (short file, function, first line) → [instructions, calls]
     functions: dict[tuple[str, str, int], list[int]]
+    #: With ``--lines``: (short file, function, line) → instructions, for the files it names.
+    lines: dict[tuple[str, str, int], int] = field(default_factory=dict)
 
     @property
     def instructions(self) -> int:
@@ -109,13 +112,15 @@ def _area(path: str) -> str:
     return "other (standard library)"
 
 
-async def measure(variant: Variant, *, stream: bool, chunks: int, seconds: float, concurrency: int | None = None) -> Counts:
-    """Warm the server up, then count its instructions over ``seconds`` of load."""
+async def measure(variant: Variant, *, stream: bool, chunks: int, seconds: float, concurrency: int | None = None,
+                  lines_of: str | None = None) -> Counts:
+    """Warm the server up, then count its instructions over ``seconds`` of load (and, for
+    the files whose path holds ``lines_of``, line by line)."""
     profile = load_profile(stream, chunks)
     with tempfile.TemporaryDirectory(prefix="bench-opcodes-") as scratch:
         out = Path(scratch) / "counts.json"
         tree = REPO if variant.bare else variant.repo
-        env = {**variant.env, "BENCH_OPCOUNT_FILE": str(out),
+        env = {**variant.env, "BENCH_OPCOUNT_FILE": str(out), **({"BENCH_OPCOUNT_LINES": lines_of} if lines_of else {}),
                "PYTHONPATH": os.pathsep.join([str(TRACER_DIR), str(tree), os.environ.get("PYTHONPATH", "")])}
         options = StackOptions(profiles=(profile,), bare=variant.bare, gateway_env=env, repo=variant.repo,
                                bare_env=env if variant.bare else {})
@@ -136,7 +141,12 @@ async def measure(variant: Variant, *, stream: bool, chunks: int, seconds: float
     if not result.ok:
         raise RuntimeError(f"{variant.name}: no request succeeded ({dict(result.errors)})")
     functions: dict[tuple[str, str, int], list[int]] = {}
-    for path, func, line, instructions, calls in rows:
+    by_line: dict[tuple[str, str, int], int] = {}
+    for path, func, line, instructions, calls, *at in rows:
+        if at:  # a line of a function --lines asked for
+            line_key = (_short(path, tree), func, at[0])
+            by_line[line_key] = by_line.get(line_key, 0) + instructions
+            continue
         key = (_short(path, tree), func, line)
         have = functions.setdefault(key, [0, 0])
         have[0] += instructions
@@ -144,7 +154,7 @@ async def measure(variant: Variant, *, stream: bool, chunks: int, seconds: float
     requests = sum(calls for (path, func, _), (_, calls) in functions.items() if (path, func) == _REQUEST_MARK)
     if requests == 0:
         raise RuntimeError(f"{variant.name}: no request started in the counting window")
-    return Counts(variant.name, requests, functions)
+    return Counts(variant.name, requests, functions, by_line)
 
 
 def report(counts: list[Counts], top: int) -> str:
@@ -171,6 +181,12 @@ def report(counts: list[Counts], top: int) -> str:
             have = c.functions.get(key)
             cells.append(f"{have[0] / c.requests:,.1f} ({have[1] / c.requests:.2f})" if have else "—")
         lines.append(f"| `{key[0]}:{key[1]}` (line {key[2]}) | " + " | ".join(cells) + " |")
+    if any(c.lines for c in counts):
+        lines += ["", f"Lines by instructions per request in {last.name}:", "",
+                  "| line | " + " | ".join(c.name for c in counts) + " |", "| --- |" + " ---: |" * len(counts)]
+        for key, _ in sorted(last.lines.items(), key=lambda kv: -kv[1])[:top]:
+            cells = [f"{c.lines[key] / c.requests:,.1f}" if key in c.lines else "—" for c in counts]
+            lines.append(f"| `{key[0]}:{key[2]}` ({key[1]}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -182,18 +198,22 @@ async def main(argv: list[str] | None = None) -> list[Counts]:
                         help="clients at once (default 64 streams, 32 whole calls; a few: each event read alone)")
     parser.add_argument("--top", type=int, default=40, help="functions listed (default 40)")
     parser.add_argument("--json", type=Path, help="also write every count here")
+    parser.add_argument("--lines", metavar="TEXT",
+                        help="also count line by line the files whose path holds TEXT "
+                             "(e.g. gateway/edge/dispatch.py), and list their costliest lines")
     args = parser.parse_args(argv)
     variants = chosen_variants(parser, args)
     if args.concurrency is not None and args.concurrency < 1:
         parser.error("--concurrency takes at least 1")
     counts = [await measure(v, stream=args.stream, chunks=args.chunks, seconds=max(1.0, args.seconds),
-                                  concurrency=args.concurrency)
+                                  concurrency=args.concurrency, lines_of=args.lines)
               for v in variants]
     print(report(counts, args.top), flush=True)
     if args.json:
         args.json.write_text(json.dumps([
             {"name": c.name, "requests": c.requests,
-             "functions": [[*k, *v] for k, v in sorted(c.functions.items(), key=lambda kv: -kv[1][0])]}
+             "functions": [[*k, *v] for k, v in sorted(c.functions.items(), key=lambda kv: -kv[1][0])],
+             "lines": [[*k, v] for k, v in sorted(c.lines.items(), key=lambda kv: -kv[1])]}
             for c in counts], indent=1), encoding="utf-8")
     return counts
 

@@ -208,6 +208,28 @@ async def test_opcodes_counts_each_variants_instructions_per_request(
     assert "| bare | " in out and "| gateway | " in out and "instructions per request" in out
 
 
+async def test_opcodes_counts_the_lines_of_the_files_asked_for(
+    pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.opcodes import main
+
+    monkeypatch.setenv("BENCH_PG_ADMIN_DSN", pg_admin_dsn)
+    (gateway,) = await main(["--seconds", "1", "--top", "5", "--lines", "gateway/edge/dispatch.py",
+                             "--variant", f"gateway={REPO}"])
+    assert gateway.lines and {path for path, _, _ in gateway.lines} == {"gateway/edge/dispatch.py"}
+    # Line by line is the same count cut finer: the lines of each function name add up to
+    # what the functions of that name counted.
+    by_function: dict[str, int] = {}
+    for (path, func, _), (instructions, _calls) in gateway.functions.items():
+        if path == "gateway/edge/dispatch.py":
+            by_function[func] = by_function.get(func, 0) + instructions
+    by_lines: dict[str, int] = {}
+    for (_, func, _), instructions in gateway.lines.items():
+        by_lines[func] = by_lines.get(func, 0) + instructions
+    assert by_lines == {func: n for func, n in by_function.items() if n}
+    assert "Lines by instructions per request in gateway" in capsys.readouterr().out
+
+
 async def test_first_chunk_measures_each_target_at_each_concurrency(
     pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -7,6 +7,10 @@ main thread's trace function is set (``sys.settrace``, ``f_trace_opcodes`` on ev
 frame); on SIGUSR2 it is cleared and the counts are written as JSON rows
 ``[file, function, first line, instructions, calls]``. A coroutine's every resumption is
 a "call" to the tracer, so calls count steps of coroutines, not awaits of them.
+
+With ``BENCH_OPCOUNT_LINES`` set, the functions of files whose path holds that text are
+also counted line by line: rows ``[file, function, first line, instructions, 0, line]``
+follow the functions' (``python -m bench.opcodes --lines``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import os
 
 _OUT = os.environ.get("BENCH_OPCOUNT_FILE")
+_LINES = os.environ.get("BENCH_OPCOUNT_LINES")
 
 if _OUT:
     import json
@@ -25,6 +30,8 @@ if _OUT:
 
     _instructions: Counter[tuple[str, str, int]] = Counter()
     _calls: Counter[tuple[str, str, int]] = Counter()
+    #: (file, function, first line, line) → instructions, for the files ``_LINES`` names.
+    _by_line: Counter[tuple[str, str, int, int]] = Counter()
 
     def _key(frame: FrameType) -> tuple[str, str, int]:
         code = frame.f_code
@@ -41,6 +48,16 @@ if _OUT:
         key = _key(frame)
         _calls[key] += 1
 
+        if _LINES and _LINES in key[0]:
+
+            def count_lines(frame: FrameType, event: str, arg: Any) -> Any:
+                if event == "opcode":
+                    _instructions[key] += 1
+                    _by_line[(*key, frame.f_lineno)] += 1
+                return count_lines
+
+            return count_lines
+
         def count(frame: FrameType, event: str, arg: Any) -> Any:
             if event == "opcode":
                 _instructions[key] += 1
@@ -51,11 +68,13 @@ if _OUT:
     def _start(signum: int, frame: Any) -> None:
         _instructions.clear()
         _calls.clear()
+        _by_line.clear()
         sys.settrace(_tracer)
 
     def _stop(signum: int, frame: Any) -> None:
         sys.settrace(None)
-        rows = [[*key, _instructions[key], calls] for key, calls in _calls.items()]
+        rows: list[list[Any]] = [[*key, _instructions[key], calls] for key, calls in _calls.items()]
+        rows += [[*key[:3], count, 0, key[3]] for key, count in _by_line.items()]
         tmp = f"{_OUT}.tmp"
         with open(tmp, "w", encoding="utf-8") as fh:
             json.dump(rows, fh)
