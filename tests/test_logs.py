@@ -374,6 +374,77 @@ async def test_the_billing_line_is_the_line_of_its_standard_fields_byte_for_byte
     assert list(orjson.loads(lines[0]))[4] == ("request_id" if request_id else "api_key_id")
 
 
+def test_a_change_of_logging_after_a_line_was_made_here_is_seen_at_the_next_line() -> None:
+    # Whether a line may be made on the loop is remembered per logger (the walk of the
+    # logger tree is not repeated per line): every change the walk would see, made after
+    # the answer was remembered, in place or by assignment, must be seen at once.
+    from gateway.observability import logs
+
+    parent = logging.getLogger("gateway.test.memo")
+    logger = logging.getLogger("gateway.test.memo.child")
+    root = logging.getLogger()
+    other = logging.Handler()
+    only_a = logging.Filter("a")
+    elsewhere = logging.getLogger("gateway.test.memo_elsewhere")
+
+    def add_handler(node: logging.Logger) -> Any:
+        node.addHandler(other)
+        return lambda: node.removeHandler(other)
+
+    def append_handler(node: logging.Logger) -> Any:
+        node.handlers.append(other)
+        return lambda: node.handlers.remove(other)
+
+    def add_filter(node: logging.Filterer) -> Any:
+        node.addFilter(only_a)
+        return lambda: node.removeFilter(only_a)
+
+    def set_attribute(node: Any, name: str, value: Any) -> Any:
+        old = getattr(node, name)
+        setattr(node, name, value)
+        return lambda: setattr(node, name, old)
+
+    with json_logs():
+        handoff = logs._installed
+        assert handoff is not None
+        changes = [
+            lambda: add_handler(logger), lambda: add_handler(parent), lambda: add_handler(root),
+            lambda: append_handler(logger), lambda: append_handler(parent), lambda: append_handler(root),
+            lambda: add_filter(logger), lambda: add_filter(parent), lambda: add_filter(root), lambda: add_filter(handoff),
+            lambda: set_attribute(logger, "disabled", True), lambda: set_attribute(parent, "disabled", True),
+            lambda: set_attribute(root, "disabled", True),
+            lambda: set_attribute(logger, "propagate", False), lambda: set_attribute(parent, "propagate", False),
+            lambda: set_attribute(handoff, "level", logging.WARNING),
+            lambda: set_attribute(root, "handlers", [other]),
+            lambda: set_attribute(logger, "parent", elsewhere),  # a parent with a handler of its own
+        ]
+        elsewhere.addHandler(other)
+        try:
+            for change in changes:
+                assert logs.lines_made_here(logger)  # remembered (again)
+                undo = change()
+                try:
+                    assert not logs.lines_made_here(logger) and not logs._walk(logger, handoff)
+                    assert not logs.lines_made_here(logger)
+                finally:
+                    undo()
+            assert logs.lines_made_here(logger)
+            set_attribute(logger, "parent", root)  # a shorter chain than remembered, still only the hand-off
+            assert logs.lines_made_here(logger) and logs.lines_made_here(logger)
+        finally:
+            elsewhere.removeHandler(other)
+            logger.parent = parent
+        assert logs.lines_made_here(logger)
+        outer = logs._installed
+        with json_logs():  # a setup inside (lines go to its hand-off), then the outer's again...
+            assert logs._installed is not outer
+        # ...whose hand-off is the root's again, but not the one lines are made for (the
+        # inner's, stopped): the standard path, as the walk says, not the outer's remembered yes.
+        assert logs._installed is not outer and logging.getLogger().handlers == [outer]
+        assert not logs.lines_made_here(logger)
+    assert not logs.lines_made_here(logger)  # another setup: the hand-off is no longer the root's
+
+
 def test_lines_batched_on_a_loop_that_ended_are_written_before_the_next_line_in_order() -> None:
     # A batch is begun on a loop; that loop ends before its flush timer. A line logged
     # afterwards (no loop, or another loop on the same thread) must not join the dead

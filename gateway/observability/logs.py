@@ -20,12 +20,13 @@ import atexit
 import contextvars
 import logging
 import logging.handlers
+import operator
 import queue
 import re
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 import orjson
@@ -379,18 +380,81 @@ def hand_off_fields(logger: logging.Logger, msg: str, fields: dict[str, Any]) ->
 
 
 def _reaches_only(logger: logging.Logger, handoff: _HandOff) -> bool:
-    """Whether a record of ``logger`` would be handled by ``handoff`` alone, unfiltered."""
+    """Whether a record of ``logger`` would be handled by ``handoff`` alone, unfiltered.
+
+    Asked twice a request (the access and billing lines): the walk of the logger tree
+    (79 instructions a line) runs only when :data:`_reached` cannot vouch for the answer.
+    """
+    known = _reached.get(logger)
+    if known is not None:
+        made_for, read, tree, handoff_state = known
+        try:
+            if made_for is handoff and read(logger) == tree and _HANDOFF_STATE(handoff) == handoff_state:
+                return True
+        except AttributeError:  # the chain is shorter than it was: a parent was reassigned
+            pass
+    return _walk(logger, handoff)
+
+
+def _walk(logger: logging.Logger, handoff: _HandOff) -> bool:
+    """:func:`_reaches_only` found the long way; a yes is remembered in :data:`_reached`."""
     node: Any = logger
+    names: list[str] = []
+    state: list[Any] = []
+    prefix = ""
     while node is not None:
         if node.disabled or node.filters:
             return False
         if node.parent is None:  # the root
             handlers = node.handlers
-            return len(handlers) == 1 and handlers[0] is handoff and not handoff.filters and handoff.level <= logging.INFO
+            if not (len(handlers) == 1 and handlers[0] is handoff and not handoff.filters
+                    and handoff.level <= logging.INFO):
+                return False
+            names += (prefix + "disabled", prefix + "filters", prefix + "parent", prefix + "handlers")
+            state += (node.disabled, node.filters, None, handlers)
+            _remember(logger, names, state, handoff)
+            return True
         if node.handlers or not node.propagate:
             return False
+        names += (prefix + "disabled", prefix + "filters", prefix + "handlers", prefix + "propagate", prefix + "parent")
+        state += (node.disabled, node.filters, node.handlers, node.propagate, node.parent)
+        prefix += "parent."
         node = node.parent
     return False
+
+
+def _remember(logger: logging.Logger, names: list[str], state: list[Any], handoff: _HandOff) -> None:
+    """Note that ``logger`` reaches only ``handoff`` while the attributes ``names`` (dotted
+    from ``logger``) read ``state`` again: every value the walk's yes rested on.
+
+    The check compares values, so a change made in place is seen: the lists (handlers,
+    filters) are kept as copies and compared by content (a handler or filter compares by
+    identity: logging's own define no equality); flags and parents are immutable values
+    or compare by identity. Anything of another kind is not remembered (walked each time).
+    """
+    if len(_reached) >= _MAX_REACHED and logger not in _reached:
+        return
+    kept: list[Any] = []
+    for value in state:
+        if type(value) is list:
+            kept.append(list(value))
+        elif value is None or type(value) is bool or type(value) is int or isinstance(value, logging.Logger):
+            kept.append(value)
+        else:
+            return
+    handoff_filters, level = handoff.filters, handoff.level
+    if type(handoff_filters) is not list or type(level) is not int:
+        return
+    _reached[logger] = (handoff, operator.attrgetter(*names), tuple(kept), (list(handoff_filters), level))
+
+
+#: Loggers :func:`_reaches_only` found reach only a hand-off: each with that hand-off (the
+#: answer is about it alone), a reader of the logging state the answer rests on (one C
+#: call for the whole chain: logger, parents, root) and that state, and the hand-off's own
+#: (filters, level) then.
+_reached: dict[logging.Logger, tuple[_HandOff, Callable[[Any], Any], tuple[Any, ...], tuple[list[Any], int]]] = {}
+_MAX_REACHED = 64
+_HANDOFF_STATE = operator.attrgetter("filters", "level")
 
 
 class _Writer(logging.handlers.QueueListener):
