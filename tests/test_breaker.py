@@ -10,7 +10,7 @@ import aiohttp
 import pybreaker
 import pytest
 
-from actors.breaker import Admission, BreakerActor, BreakerHandle, CircuitState, Outcome
+from actors.breaker import Admission, BreakerActor, BreakerHandle, CircuitState, Health, Outcome
 from actors.runtime import Supervisor
 from gateway.core.config import BreakerSettings
 from tests.conftest import auth, chat_body
@@ -379,6 +379,7 @@ async def test_a_success_on_a_clean_closed_circuit_is_folded_in_at_once_as_the_a
             inline.fold_success(DEP, latency, ttft, now + i)
             queued._report(Report(DEP, Outcome.SUCCESS, 0, latency, ttft, None, False), now + i)
             assert inline.view[DEP] == queued.view[DEP]
+            assert type(inline.view[DEP]) is Health  # an entry, not just a tuple of its values
         handle.report(DEP, Outcome.SUCCESS, latency=0.1)  # applied before report() returns
         assert handle.health(DEP).calls == queued.view[DEP].calls + 1
         handle.report(DEP, Outcome.FAILURE)  # a failure is the actor's: it waits in the mailbox
