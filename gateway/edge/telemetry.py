@@ -89,7 +89,7 @@ def arrived(request: web.Request) -> Arrival:
     route = route_label(request)
     metrics = request.app[STATE].metrics
     in_flight = metrics.in_flight(route)
-    in_flight.inc()
+    in_flight.value += 1
     return received, route, token, in_flight, metrics
 
 
@@ -98,7 +98,7 @@ def answered(request: web.Request, arrival: Arrival, status: int) -> None:
     :data:`CLIENT_CLOSED`): counted by route and status, and its access line written."""
     received, route, token, in_flight, metrics = arrival
     elapsed = time.monotonic() - received
-    in_flight.dec()
+    in_flight.value -= 1
     metrics.request_done(route, status, elapsed)
     if access_log.isEnabledFor(logging.INFO):
         _access_line(request, route, status, elapsed)

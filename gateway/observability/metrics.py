@@ -159,7 +159,9 @@ class _LoopValue:
     guarded nothing, and it was most of the cost: a counter ``inc`` through the library
     takes ~0.24 µs, a histogram ``observe`` ~0.57 µs (a lock per sum and bucket, checks,
     a linear bucket search); here ~0.04 µs and ~0.1 µs. The scrape's worker thread only
-    reads, one float at a time, as it did through the lock.
+    reads, one float at a time, as it did through the lock. The per-request paths add to
+    ``value`` directly, as :class:`_LoopHistogram` does: the same float arithmetic as
+    ``inc``, without the call, which was half an update's instructions (7 of 14).
     """
 
     __slots__ = ("_exemplar", "value")
@@ -485,7 +487,7 @@ class GatewayMetrics:
 
     def request_done(self, route: str, status: int, seconds: float) -> None:
         """Count one answered request and its duration."""
-        self._requests[route, status].inc()
+        self._requests[route, status].value += 1
         self._durations[route].observe(seconds)
 
     def auth_failed(self, reason: str) -> None:
@@ -601,7 +603,7 @@ class GatewayMetrics:
         series = self._calls.get(names)
         if series is None:
             series = self._call_series(record, names)
-        series.upstream.inc()
+        series.upstream.value += 1
         if record.upstream_started_at is not None:
             waited = now - record.upstream_started_at if record.stream else record.upstream_time
             duration = series.duration
@@ -625,8 +627,8 @@ class GatewayMetrics:
             if tokens is None:
                 tokens = series.tokens = (
                     self._tokens[series.requested, "input"], self._tokens[series.requested, "output"])
-            tokens[0].inc(usage.prompt_tokens)
-            tokens[1].inc(usage.completion_tokens)
+            tokens[0].value += usage.prompt_tokens
+            tokens[1].value += usage.completion_tokens
             self._token_input.observe(usage.prompt_tokens)
             self._token_output.observe(usage.completion_tokens)
         cost = cost_of(record)
@@ -634,7 +636,7 @@ class GatewayMetrics:
             spend = series.cost
             if spend is None:
                 spend = series.cost = self._cost[series.requested]
-            spend.inc(cost)
+            spend.value += cost
         elif record.cost_source == "unpriced":  # settled by gateway.billing.pricing before listeners
             self.unpriced(record.requested_model)
         if record.failovers:
