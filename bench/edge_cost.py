@@ -292,7 +292,8 @@ async def run(repeats: int) -> dict[str, float]:
     access_log.setLevel(logging.INFO)  # the pieces whatever --log-level says
     billing_log = logging.getLogger("gateway.billing")
     billing_log.setLevel(logging.INFO)
-    results["access_line"] = _timed(lambda: access(request, "/v1/chat/completions", 200, 0.0123), 20_000, repeats)
+    results["access_line"] = _timed(
+        lambda: access(request, record.request_id, "/v1/chat/completions", 200, 0.0123), 20_000, repeats)
     payload = {
         "api_key_id": str(key.api_key_id), "subject_id": str(key.subject_id), "request_id": record.request_id,
         "response_id": "chatcmpl-bench", "model": "gpt-4o-mini", "served_model": "gpt-4o-mini-2024-07-18",

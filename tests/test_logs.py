@@ -507,6 +507,7 @@ async def test_the_access_line_is_the_line_of_its_fields_byte_for_byte(monkeypat
 
     from gateway.core.usage import CallRecord, Usage
     from gateway.edge import telemetry
+    from gateway.http.middleware import request_id_of
     from gateway.observability import logs
 
     handed: list[dict[str, Any]] = []
@@ -536,9 +537,9 @@ async def test_the_access_line_is_the_line_of_its_fields_byte_for_byte(monkeypat
     with json_logs() as (out, setup):
         setup.add_secrets(["the-admin-token-value"])
         for request in requests:
-            token = bind_request_id(telemetry.request_id_of(request)) if bound else None
+            token = bind_request_id(request_id_of(request)) if bound else None
             try:
-                telemetry._access_line(request, "/v1/chat/completions", 200, 0.0123)
+                telemetry._access_line(request, request_id_of(request), "/v1/chat/completions", 200, 0.0123)
                 access.info("access", extra={"fields": handed[-1]})
             finally:
                 if token is not None:

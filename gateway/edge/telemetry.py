@@ -29,7 +29,7 @@ from aiohttp import web
 
 from gateway.core.errors import MetricsUnauthorized
 from gateway.core.usage import CallRecord
-from gateway.http.middleware import first_request_id, request_id_of
+from gateway.http.middleware import first_request_id
 from gateway.http.state import STATE, GatewayState
 from gateway.observability import logs
 from gateway.observability.metrics import CONTENT_TYPE, GatewayMetrics, InFlight, cost_of
@@ -75,41 +75,44 @@ def route_label(request: web.Request) -> str:
     return resource.canonical if resource is not None else UNMATCHED
 
 
-#: What :func:`arrived` noted of a request: its arrival time, route label, the token
-#: binding its request id, its route's in-flight gauge, the metrics it counts in.
-Arrival = tuple[float, str, contextvars.Token[str | None], InFlight, GatewayMetrics]
+#: What :func:`arrived` noted of a request: its arrival time, route label, request id and
+#: the token binding it for log lines, its route's in-flight gauge, the metrics it counts in.
+Arrival = tuple[float, str, str, contextvars.Token[str | None], InFlight, GatewayMetrics]
 
 
 def arrived(request: web.Request) -> Arrival:
     """A request arrived (the front's first step): timed, counted in flight, its request
     id bound for log lines. :func:`answered` must follow, on every path."""
     received = time.monotonic()
-    token = logs.bind_request_id(first_request_id(request))  # before anything is stored in it
+    request_id = first_request_id(request)  # before anything is stored in it
+    token = logs.bind_request_id(request_id)
     request[RECEIVED_AT] = received
     route = route_label(request)
     metrics = request.app[STATE].metrics
     in_flight = metrics.in_flight(route)
     in_flight.value += 1
-    return received, route, token, in_flight, metrics
+    return received, route, request_id, token, in_flight, metrics
 
 
 def answered(request: web.Request, arrival: Arrival, status: int) -> None:
     """The request of ``arrival`` ended with ``status`` (its answer's, or
     :data:`CLIENT_CLOSED`): counted by route and status, and its access line written."""
-    received, route, token, in_flight, metrics = arrival
+    received, route, request_id, token, in_flight, metrics = arrival
     elapsed = time.monotonic() - received
     in_flight.value -= 1
     metrics.request_done(route, status, elapsed)
     if access_log.isEnabledFor(logging.INFO):
-        _access_line(request, route, status, elapsed)
+        _access_line(request, request_id, route, status, elapsed)
     logs.reset_request_id(token)
 
 
-def _access_line(request: web.Request, route: str, status: int, elapsed: float) -> None:
+def _access_line(request: web.Request, request_id: str, route: str, status: int, elapsed: float) -> None:
+    # ``request_id`` is the request's (:func:`request_id_of`), as :func:`arrived` found it:
+    # not looked up again in the request's storage (20 instructions).
     # Ids go as UUIDs: orjson writes them as str() would, without str()'s Python-level
     # formatting. Items are set one by one (update() of a second dict costs more).
     fields: dict[str, Any] = {
-        "request_id": request_id_of(request),
+        "request_id": request_id,
         "method": request.method,
         "route": route,
         "path": request.path,

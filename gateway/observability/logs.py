@@ -76,17 +76,15 @@ _MAX_HEADS = 64
 _STANDARD_ATTRS = frozenset(vars(logging.makeLogRecord({}))) | {"message", "asctime", "fields", "request_id"}
 
 
-def bind_request_id(request_id: str) -> contextvars.Token[str | None]:
-    """Make ``request_id`` the current request's id for log lines (edge middleware)."""
-    return _REQUEST_ID.set(request_id)
-
-
-def reset_request_id(token: contextvars.Token[str | None]) -> None:
-    _REQUEST_ID.reset(token)
-
-
-def current_request_id() -> str | None:
-    return _REQUEST_ID.get()
+# The context variable's own methods, not functions around them: each request binds, reads
+# and resets its id once (a Python frame around each was ~6 instructions of 7).
+#: Make a request id the current request's for log lines (edge middleware); returns the
+#: token :func:`reset_request_id` takes.
+bind_request_id: Callable[[str], contextvars.Token[str | None]] = _REQUEST_ID.set
+#: Undo a :func:`bind_request_id` by its token.
+reset_request_id: Callable[[contextvars.Token[str | None]], None] = _REQUEST_ID.reset
+#: The current request's id, or None.
+current_request_id: Callable[[], str | None] = _REQUEST_ID.get
 
 
 class Redactor:
