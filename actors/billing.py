@@ -274,19 +274,21 @@ class BillingActor(Actor[Flush | Spend | Settle]):
         """Journal, count and log one finished call's ledger row. Synchronous (no await), so
         the handle calls it from the handler's task, and it works after the actor stopped
         too (the journal then writes and fsyncs a late row at once)."""
-        journal = self.journal
+        journal = self._journal  # the journal property, inline
+        if journal is None:
+            raise RuntimeError("billing actor used before it started")
         row = ledger_row(call)
         # The spend counters are keyed by the ids as they are (the line may hold their text).
         api_key_id, subject_id = call.api_key_id or NIL_UUID, call.subject_id or NIL_UUID
         cost = micro_usd(call.cost_usd)
-        journal.append(ledger_line(row), api_key_id, subject_id, cost)
+        active_lines = journal.append(ledger_line(row), api_key_id, subject_id, cost)
         self.recorded += 1
         if cost > 0:
             self._key_spent[api_key_id] = self._key_spent.get(api_key_id, 0) + cost
             self._subject_spent[subject_id] = self._subject_spent.get(subject_id, 0) + cost
         if call.cost_source == "unpriced" and len(self._unpriced) < MAX_UNPRICED_MODELS:
             self._unpriced.add(call.requested_model[:256])  # as its row has it
-        if journal.active_lines >= self._max_batch:
+        if active_lines >= self._max_batch:
             self._wake_shipper.set()
         if log.isEnabledFor(logging.INFO):
             _log_billing(row)

@@ -255,43 +255,42 @@ class Journal:
         return adopted, next_seq
 
     # -- appending and committing --------------------------------------------------------
-    def append(self, line: bytes, api_key_id: uuid.UUID, subject_id: uuid.UUID, cost_micro_usd: int) -> None:
+    def append(self, line: bytes, api_key_id: uuid.UUID, subject_id: uuid.UUID, cost_micro_usd: int) -> int:
         """Write one event line into the active segment (the page cache: it outlives the
         process from here on); :meth:`commit` fsyncs it. Never waits on the disk: while a
-        worker thread writes, or after a failed write, the line is buffered instead."""
+        worker thread writes, or after a failed write, the line is buffered instead.
+        Returns :attr:`active_lines` (the caller's cue to ship, without a property's call)."""
         if self._lock_fd is None:
             self._append_after_close(line)
-            return
+            return self.active_lines
         active = self._active
         if active is None:
             active = self._active = Segment(self.directory / _segment_name(self._next_seq), kept=[])
             self._next_seq += 1
         active.lines += 1
-        active.add_spend(api_key_id, subject_id, cost_micro_usd)
-        self._keep(active, line)
+        if cost_micro_usd > 0:  # Segment.add_spend, inline: every call's
+            key_spend, subject_spend = active.key_spend, active.subject_spend
+            key_spend[api_key_id] = key_spend.get(api_key_id, 0) + cost_micro_usd
+            subject_spend[subject_id] = subject_spend.get(subject_id, 0) + cost_micro_usd
+        # The line kept with its segment for shipping, within MAX_KEPT_BYTES. Shipping a
+        # segment used to read it back in a worker thread and parse every line again,
+        # holding the GIL (and so the event loop) for a few µs per line; the lines are the
+        # ones written here, so the copy in memory is the file's content. Past the bound
+        # the segment drops its copy and is read from disk like a recovered one.
+        kept = active.kept
+        if kept is not None:
+            size = len(line)
+            if self._kept_bytes + size > MAX_KEPT_BYTES:
+                self._kept_bytes -= active.kept_bytes
+                active.kept, active.kept_bytes = None, 0
+            else:
+                kept.append(line)
+                active.kept_bytes += size
+                self._kept_bytes += size
         if self._buffer or self._thread_writes or not self._write_through(active.path, line):
             self._buffer.append(line)
         self._has_data.set()
-
-    def _keep(self, segment: Segment, line: bytes) -> None:
-        """Keep ``line`` with its segment for shipping, within :data:`MAX_KEPT_BYTES`.
-
-        Shipping a segment used to read it back in a worker thread and parse every line
-        again, holding the GIL (and so the event loop) for a few µs per line; the lines
-        are the ones written here, so the copy in memory is the file's content. Past the
-        bound the segment drops its copy and is read from disk like a recovered one.
-        """
-        kept = segment.kept
-        if kept is None:
-            return
-        size = len(line)
-        if self._kept_bytes + size > MAX_KEPT_BYTES:
-            self._kept_bytes -= segment.kept_bytes
-            segment.kept, segment.kept_bytes = None, 0
-            return
-        kept.append(line)
-        segment.kept_bytes += size
-        self._kept_bytes += size
+        return active.lines
 
     def _write_through(self, path: Path, line: bytes) -> bool:
         """Write ``line`` at the end of the active segment on the event loop's thread; False
