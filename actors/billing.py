@@ -56,6 +56,7 @@ from gateway.billing.reservations import (
     PostgresReservations,
     Reservation,
     ReservationStore,
+    exact_rates,
     micro_usd,
     output_cap,
     prompt_token_bound,
@@ -461,9 +462,9 @@ class BillingHandle:
         self._gate = actor.gate
         #: The subjects' budgets the gate reads (:meth:`BudgetGate.applies`, inline).
         self._subject_budgets = actor.subject_budgets
-        #: :func:`_reachable_prices` by route, for one router (config generation): ``id(route)``
-        #: → (route, prices), the route held so its id is never another's meanwhile.
-        self._prices: dict[int, tuple[Route, tuple[Price | None, ...]]] = {}
+        #: :meth:`_prices_of` by route, for one router (config generation): ``id(route)``
+        #: → (route, prices, their exact rates).
+        self._prices: dict[int, _RoutePrices] = {}
         self._prices_router: Router | None = None
 
     def record(self, call: CallRecord) -> None:
@@ -494,25 +495,28 @@ class BillingHandle:
             return None
         cap = 0 if embeddings else output_cap(body, route.group.max_output_tokens)
         bound = prompt_token_bound(body.get("input") if embeddings else body)
+        _, prices, rates = self._prices_of(route, router)
         return await self._gate.hold(
             record.call_id, key.api_key_id, None if budget is None else (budget, policy.budget_period or "total"),
-            key.subject_id, record.requested_model, self._prices_of(route, router), bound, cap,
+            key.subject_id, record.requested_model, prices, bound, cap, rates,
         )
 
-    def _prices_of(self, route: Route, router: Router) -> tuple[Price | None, ...]:
-        """:func:`_reachable_prices`, remembered: the same for every call of a route on one
-        router (an exact model's route is built once per router; a wildcard's per call)."""
+    def _prices_of(self, route: Route, router: Router) -> _RoutePrices:
+        """:func:`_reachable_prices` and their :func:`exact_rates`, remembered: the same for
+        every call of a route on one router (an exact model's route is built once per
+        router; a wildcard's per call). The route comes first (held, so its id is never
+        another's meanwhile)."""
         if router is not self._prices_router:
             self._prices.clear()
             self._prices_router = router
         cached = self._prices.get(id(route))
         if cached is not None and cached[0] is route:
-            return cached[1]
+            return cached
         prices = tuple(_reachable_prices(route, router))
         if len(self._prices) >= MAX_CACHED_ROUTES:
             self._prices.clear()
-        self._prices[id(route)] = (route, prices)
-        return prices
+        self._prices[id(route)] = cached = (route, prices, exact_rates(prices))
+        return cached
 
     async def reserve_passthrough(
         self, key: VerifiedKey, record: CallRecord, body: Any, price: Price | None,
@@ -573,6 +577,10 @@ class BillingHandle:
     @property
     def ref(self) -> ActorRef[Any]:
         return self._ref
+
+
+#: A route, the price of every deployment a call on it may reach, and their :func:`exact_rates`.
+_RoutePrices = tuple["Route", tuple[Price | None, ...], tuple[tuple[int, int, int], ...] | None]
 
 
 def _reachable_prices(route: Route, router: Router) -> list[Price | None]:

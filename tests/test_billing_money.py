@@ -1,30 +1,36 @@
 """The integer routes of billing's money arithmetic give the Decimal route's figures.
 
-``micro_usd`` of a float, ``cost_micro_usd`` (so ``worst_case_micro_usd``) and
-``settle_cost`` take integer arithmetic where it is exact and Decimal elsewhere. Each test
-here computes the Decimal figure as the code did before the integer routes (kept below as
-the reference) over many prices and token counts, odd prices with many decimals among
-them, and requires the same integer and the same float, to the bit.
+``micro_usd`` of a float, ``cost_micro_usd`` (so ``worst_case_micro_usd``), ``settle_cost``
+and the budget gate's worst case from a route's ``exact_rates`` take integer arithmetic
+where it is exact and Decimal elsewhere. Each test here computes the Decimal figure as
+the code did before the integer routes (kept below as the reference) over many prices
+and token counts, odd prices with many decimals among them, and requires the same
+integer and the same float, to the bit.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import uuid
 from decimal import ROUND_CEILING, Decimal
 
 import pytest
 
 from gateway.billing import reservations
+from gateway.billing.gate import BudgetGate
 from gateway.billing.pricing import settle_cost
 from gateway.billing.reservations import (
+    Reservation,
     cost_micro_usd,
     exact_micro_cost,
+    exact_rates,
     micro_usd,
     price_micro,
     worst_case_micro_usd,
 )
 from gateway.core.config import Price
+from gateway.core.errors import BudgetExceeded
 from gateway.core.usage import CallRecord, Usage
 
 _MICRO = Decimal(1_000_000)
@@ -153,3 +159,48 @@ def test_worst_case_is_the_dearest_price() -> None:
     assert worst_case_micro_usd(10, 100, prices) == max(decimal_cost_micro_usd(10, 100, p) for p in prices) == 210
     assert worst_case_micro_usd(10, 100, []) == 0
     assert worst_case_micro_usd(0, 0, [Price(0, 0)]) == 0
+
+
+async def test_the_gate_holds_the_same_worst_case_from_a_routes_exact_rates() -> None:
+    """``BudgetGate.hold`` given a route's remembered ``exact_rates`` (the billing handle's
+    path) holds what it holds from the prices alone, and refuses the same calls."""
+    class Admit:
+        settles_explicitly = False
+
+        async def reserve(self, reservation: Reservation, ttl: float) -> int | None:
+            return None
+
+    gate = BudgetGate(Admit(), ttl=60, subject_budgets={})  # type: ignore[arg-type]
+    rng = random.Random(11)
+    prices, counts = odd_prices(rng), token_counts(rng)
+    key_id, subject_id = uuid.uuid4(), uuid.uuid4()
+    budget = (Decimal(10) ** 40, "total")
+
+    async def held(route_prices: list[Price | None], bound: int, cap: int, rates: object) -> object:
+        try:
+            reservation = await gate.hold(uuid.uuid4(), key_id, budget, subject_id, "m", route_prices, bound, cap,
+                                          rates)  # type: ignore[arg-type]
+        except BudgetExceeded as exc:
+            return str(exc)
+        assert reservation is not None
+        return reservation.amount_micro_usd
+
+    with_rates = 0
+    for _ in range(3000):
+        route_prices: list[Price | None] = [
+            Price(rng.choice(prices), rng.choice(prices)) for _ in range(rng.choice([1, 1, 2, 3]))]
+        if rng.random() < 0.05:
+            route_prices.append(None)
+        if rng.random() < 0.02:
+            route_prices = []
+        rates = exact_rates(route_prices)
+        with_rates += rates is not None
+        bound, cap = rng.choice(counts), rng.choice([*counts, 0, 16, 4096, -1])
+        expected = await held(route_prices, bound, cap, None)
+        assert await held(route_prices, bound, cap, rates) == expected, (route_prices, bound, cap)
+        if isinstance(expected, int):
+            assert expected == worst_case_micro_usd(bound, cap, route_prices)  # type: ignore[arg-type]
+    assert with_rates > 2000  # the rates' route was taken, many times
+    assert exact_rates([Price(1, 2), None]) is None
+    assert exact_rates([]) is None
+    assert exact_rates([Price(1.0, 2.0)]) == ((10, 20, 10),)  # micro-USD per token over one divisor

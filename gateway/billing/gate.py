@@ -28,6 +28,7 @@ from typing import cast
 
 from gateway.billing.leases import BudgetLeases
 from gateway.billing.reservations import (
+    _DECIMAL_EXACT_BELOW,
     Budget,
     Reservation,
     ReservationStore,
@@ -91,23 +92,42 @@ class BudgetGate:
     async def hold(
         self, call_id: uuid.UUID, api_key_id: uuid.UUID, key_budget: tuple[Decimal, str] | None,
         subject_id: uuid.UUID, model: str, prices: Sequence[Price | None], prompt_bound: int, output_cap: int,
+        rates: tuple[tuple[int, int, int], ...] | None = None,
     ) -> Reservation | None:
-        """:meth:`reserve` with its arguments in that order (every call's: no keywords to match)."""
+        """:meth:`reserve` with its arguments in that order (every call's: no keywords to match).
+
+        ``rates``: the prices' :func:`exact_rates`, from a caller that keeps them (a route's
+        prices are the same call after call): they stand for the prices' check (every one
+        priced) and give the worst case in integers. Where an integer figure might not be
+        exact (28 digits: counts no call reaches), :func:`worst_case_micro_usd` decides, as
+        without them (the prices' check and that were ~120 instructions a call)."""
         subject_budget = self._subject_budgets.get(subject_id)
         budgets = self._budgets_of(api_key_id, key_budget, subject_id, subject_budget)
         if not budgets:
             return None
-        unpriced = not prices
-        for price in prices:  # a loop, not all() over a generator; no list of the priced
-            if price is None or not is_finite_price(price):
-                unpriced = True
-                break
-        if unpriced:
-            raise BudgetExceeded(
-                f"model '{model}' has a deployment with no price, so a call under a budget cannot be "
-                "counted; the operator must set a price for it (models[].deployments[].price)"
-            )
-        amount = worst_case_micro_usd(prompt_bound, output_cap, cast("Sequence[Price]", prices))
+        amount = -1
+        if rates is not None and prompt_bound >= 0 and output_cap >= 0:
+            amount = 0
+            for per_input, per_output, divisor in rates:  # cost_micro_usd's integer route, inline
+                numerator = prompt_bound * per_input + output_cap * per_output
+                if type(numerator) is not int or numerator >= _DECIMAL_EXACT_BELOW:
+                    amount = -1
+                    break
+                cost = -(-numerator // divisor)
+                if cost > amount:
+                    amount = cost
+        if amount < 0:
+            unpriced = not prices
+            for price in prices:  # a loop, not all() over a generator; no list of the priced
+                if price is None or not is_finite_price(price):
+                    unpriced = True
+                    break
+            if unpriced:
+                raise BudgetExceeded(
+                    f"model '{model}' has a deployment with no price, so a call under a budget cannot be "
+                    "counted; the operator must set a price for it (models[].deployments[].price)"
+                )
+            amount = worst_case_micro_usd(prompt_bound, output_cap, cast("Sequence[Price]", prices))
         lease_size = self.leases.size_for(budgets, amount)
         if lease_size and (held := self.leases.take(budgets, amount, call_id)) is not None:
             return held  # the common case of a busy key: no I/O, no timer

@@ -56,6 +56,7 @@ __all__ = [
     "ReservationStore",
     "connect_reservation_pool",
     "exact_micro_cost",
+    "exact_rates",
     "keep_session",
     "micro_usd",
     "open_reservations",
@@ -177,6 +178,24 @@ def cost_micro_usd(prompt_tokens: int, completion_tokens: int, price: Price) -> 
             return -(-numerator // divisor)
     cost = prompt_tokens * price_micro(price.input_per_mtok) + completion_tokens * price_micro(price.output_per_mtok)
     return int(cost.to_integral_value(rounding=ROUND_CEILING))
+
+
+def exact_rates(prices: Sequence[Price | None]) -> tuple[tuple[int, int, int], ...] | None:
+    """Every price's micro-USD per input and per output token as integers over one divisor
+    (:func:`_per_token_micro`), for a caller that prices many calls at the same prices (a
+    route's): None unless there is a price and every one is a finite, unsigned number
+    of fewer than 16 digits before its point, so that :meth:`BudgetGate.hold
+    <gateway.billing.gate.BudgetGate.hold>` may take the rates for the prices' own check
+    and :func:`worst_case_micro_usd`."""
+    rates = []
+    for price in prices:
+        if price is None or not is_finite_price(price):
+            return None
+        per_token = _per_token_micro(price.input_per_mtok, price.output_per_mtok)
+        if per_token is None:
+            return None
+        rates.append(per_token)
+    return tuple(rates) if rates else None
 
 
 def prompt_token_bound(payload: Any) -> int:
