@@ -407,27 +407,24 @@ def _log_billing(row: Mapping[str, Any]) -> None:
     request id, cost, as structured fields (one JSON object per line with
     ``LOG_FORMAT=json``, see gateway/observability/logs.py).
 
-    When the line is made on the loop (:func:`lines_made_here`), its fields are stored into
-    a copy of a dict holding them in the line's order (the bound request id's key first,
-    where the line puts it), and the ids go as they are: orjson writes a UUID as ``str()``
-    does, without ``UUID.__str__``'s Python (0.55 µs an id). The same bytes; anything else
-    sees the fields as they always were.
+    When the line is made on the loop (:func:`lines_made_here`), its fields are one dict
+    literal in the line's order with a request id bound (every request's line: that key
+    first, where the line puts it), put in the unbound order otherwise; and the ids go as
+    they are: orjson writes a UUID as ``str()`` does, without ``UUID.__str__``'s Python
+    (0.55 µs an id). The same bytes; anything else sees the fields as they always were.
     """
     if lines_made_here(log):
-        fields = (_BILLING_BOUND if current_request_id() is not None else _BILLING_UNBOUND).copy()
-        fields["api_key_id"] = row["api_key_id"]
-        fields["subject_id"] = row["subject_id"]
-        fields["request_id"] = row["request_id"]
-        fields["response_id"] = row["response_id"]
-        fields["model"] = row["requested_model"]
-        fields["served_model"] = row["served_model"]
-        fields["provider"] = row["provider"]
-        fields["prompt_tokens"] = row["prompt_tokens"]
-        fields["completion_tokens"] = row["completion_tokens"]
-        fields["cost_usd"] = row["cost_usd"]
-        fields["cost_diem"] = row["cost_diem"]
-        fields["cost_source"] = row["cost_source"]
-        fields["status"] = row["status"]
+        fields = {
+            "request_id": row["request_id"], "api_key_id": row["api_key_id"], "subject_id": row["subject_id"],
+            "response_id": row["response_id"], "model": row["requested_model"], "served_model": row["served_model"],
+            "provider": row["provider"], "prompt_tokens": row["prompt_tokens"],
+            "completion_tokens": row["completion_tokens"], "cost_usd": row["cost_usd"], "cost_diem": row["cost_diem"],
+            "cost_source": row["cost_source"], "status": row["status"],
+        }
+        if current_request_id() is None:
+            unbound = _BILLING_UNBOUND.copy()
+            unbound.update(fields)
+            fields = unbound
         hand_off_fields(log, "billing", fields)
         return
     payload = {field: row[column] for field, column in _BILLING_FIELDS}
@@ -436,19 +433,19 @@ def _log_billing(row: Mapping[str, Any]) -> None:
 
 
 #: The billing line's fields in its order (:func:`_log_billing`), each with the ledger
-#: column it shows. The fast path above stores the same one by one, on purpose: read
-#: through this table (``dict(zip(names, itemgetter(*columns)(row)))``) the fields took
-#: 1.1-1.3 µs a call against 0.6; the byte-for-byte test in tests/test_logs.py holds the two to
-#: one line.
+#: column it shows. The fast path above writes them as a literal, on purpose: read through
+#: this table (``dict(zip(names, itemgetter(*columns)(row)))``) the fields took 1.1-1.3 µs
+#: a call against 0.6; the literal takes the time of storing them one by one into a copy
+#: of a dict holding them (0.39 µs each) in 40 instructions fewer. The byte-for-byte test
+#: in tests/test_logs.py holds the two to one line.
 _BILLING_FIELDS: tuple[tuple[str, str], ...] = (
     ("api_key_id", "api_key_id"), ("subject_id", "subject_id"), ("request_id", "request_id"),
     ("response_id", "response_id"), ("model", "requested_model"), ("served_model", "served_model"),
     ("provider", "provider"), ("prompt_tokens", "prompt_tokens"), ("completion_tokens", "completion_tokens"),
     ("cost_usd", "cost_usd"), ("cost_diem", "cost_diem"), ("cost_source", "cost_source"), ("status", "status"),
 )
-#: Those fields as given, and with a request id bound (the line then starts with its key).
+#: Those fields with no request id bound (the line then has them in this order).
 _BILLING_UNBOUND: dict[str, Any] = dict.fromkeys(field for field, _ in _BILLING_FIELDS)
-_BILLING_BOUND: dict[str, Any] = {"request_id": None, **_BILLING_UNBOUND}
 
 
 class BillingHandle:
