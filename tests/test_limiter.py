@@ -488,12 +488,13 @@ async def test_memory_counters_match_the_library_on_random_walks(strategy: str, 
 
 
 async def test_sliding_hits_answered_from_the_last_reading_match_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A sliding window's hit is mostly answered from its counter's last whole reading
-    # (SlidingCounter.hit). Hits through two counters of the same key (as when a kept
-    # counter outlives Windows' cache) and through Windows, refunds, token-like charges,
-    # clears, a clock that sometimes steps back, and times at a period's last
-    # millisecond, against the library's strategy over its own MemoryStorage: the same
-    # answers, counters and expirations.
+    # A sliding window's counter reads without expiry checks within its steady span, and
+    # its hit is mostly answered from its last reading's weight (SlidingCounter). Hits
+    # through two counters of the same key (as when a kept counter outlives Windows'
+    # cache) and through Windows, stats, refunds, token-like charges, clears, a clock
+    # that sometimes steps back, and times at a period's last millisecond, against the
+    # library's strategy over its own MemoryStorage: the same answers, counters and
+    # expirations.
     import random
 
     from limits.aio.storage import MemoryStorage
@@ -522,7 +523,7 @@ async def test_sliding_hits_answered_from_the_last_reading_match_the_library(mon
             else:
                 clock[0] += rnd.choice([0, 0.001, 0.05, 0.3, 1.7, expiry / 3])
             now = clock[0]
-            op = rnd.choice(["hit", "hit", "hit", "twin", "twin", "refund", "charge", "stats", "clear"])
+            op = rnd.choice(["hit", "hit", "hit", "twin", "twin", "refund", "charge", "stats", "stats_and_hit", "clear"])
             cost = rnd.choice([1, 1, 1, 2, 5, 20])
             if op == "clear":
                 await local.clear(f"{key}/{int(now / expiry)}")
@@ -532,7 +533,7 @@ async def test_sliding_hits_answered_from_the_last_reading_match_the_library(mon
             for windows in (ours, reference):
                 if op in ("hit", "twin") and windows is ours:
                     counter: Any = rnd.choice(twins) if op == "twin" else ours.counter(item, "ip", "a")
-                    remembered = counter._read_at <= now <= counter._read_until
+                    remembered = counter._weight_at <= now <= counter._steady_until
                     answers.append(counter.hit(now, cost))
                     fast_answers += remembered and answers[-1]
                 elif op in ("hit", "twin"):
@@ -541,6 +542,13 @@ async def test_sliding_hits_answered_from_the_last_reading_match_the_library(mon
                     answers.append(await windows.add(item, "ip", "a", amount=-1))
                 elif op == "charge":
                     answers.append(await windows.add(item, "ip", "a", amount=cost))
+                elif op == "stats_and_hit" and windows is ours:
+                    stats, hit = ours.stats_and_hit_now(item, "ip", "a", cost=cost, now=now)
+                    answers.append((round(stats.reset_time, 6), stats.remaining, hit))
+                elif op == "stats_and_hit":
+                    stats = await windows.stats(item, "ip", "a")
+                    hit = await windows.hit(item, "ip", "a", cost=cost)
+                    answers.append((round(stats.reset_time, 6), stats.remaining, hit))
                 else:
                     stats = await windows.stats(item, "ip", "a")
                     answers.append((round(stats.reset_time, 6), stats.remaining))

@@ -287,32 +287,43 @@ class SlidingCounter(MemoryCounter):
     One reading of the window (:meth:`_read`) and one take (:meth:`_take`) serve both the
     stats-and-hit of a key's window and the per-IP hit, in the library's order.
 
-    A hit that only asks "may this go?" (the per-IP windows) is mostly answered without
-    the whole reading, from what the last one found (:meth:`hit`).
+    Within the two periods its keys are of, a counter's reads need not check expiry:
+    each counter lives two periods from a write made in its own period (the key says
+    which), so neither can expire before the current period ends. ``_steady_from`` ..
+    ``_steady_until`` is a span of times a reading found in these periods (checked
+    with the library's divisions; both indexes only grow with time, so every time
+    between two such times is in them too), ending a millisecond before the period does.
     """
 
     __slots__ = (
-        "_current_key", "_previous", "_previous_key",
-        "_read_at", "_read_previous_count", "_read_until", "_read_weight", "_window",
+        "_current_key", "_previous", "_previous_key", "_steady_from", "_steady_until",
+        "_weight", "_weight_at", "_weight_previous_count", "_window",
     )
 
     def __init__(self, local: LocalStorage, key: str, amount: int, expiry: int) -> None:
         super().__init__(local, key, amount, expiry)
         self._window = self._previous = -1
         self._current_key = self._previous_key = ""
-        self._forget_reading()
+        self._steady_from, self._steady_until = math.inf, -math.inf
+        self._weight_at, self._weight, self._weight_previous_count = math.inf, 0.0, 0
 
     def _keys(self, window: int, previous: int) -> None:
         """The two counters' keys for these period indexes (``sliding_window_keys``)."""
         self._window, self._previous = window, previous
         self._current_key, self._previous_key = f"{self.key}/{window}", f"{self.key}/{previous}"
-        self._forget_reading()  # it was of the counters of other periods
+        # What was known of the periods before (their span, hit's reading) is not of these.
+        self._steady_from, self._steady_until = math.inf, -math.inf
+        self._weight_at = math.inf
 
-    def _forget_reading(self) -> None:
-        """No reading :meth:`hit` may answer from (until its next whole reading)."""
-        self._read_at = self._read_until = math.inf
-        self._read_previous_count: int | None = None
-        self._read_weight = 0.0
+    def _steady(self, now: float) -> None:
+        """``now`` was read in the periods of the keys: widen the steady span to it."""
+        window, expiry = self._window, self.expiry
+        until = (window + 1) * expiry - 0.001  # the last millisecond is read whole
+        if (
+            self._previous == window - 1 and now <= until
+            and int(until / expiry) == window and int((until - expiry) / expiry) == window - 1
+        ):
+            self._steady_from, self._steady_until = min(now, self._steady_from), until
 
     def stats(self, now: float) -> tuple[float, int]:
         reset, remaining, _ = self.stats_and_hit(now, None)
@@ -342,19 +353,17 @@ class SlidingCounter(MemoryCounter):
     def hit(self, now: float, cost: int = 1) -> bool:
         """:meth:`stats_and_hit` without the stats (the per-IP windows' question).
 
-        Mostly answered from the last whole reading (``_read_*``), without reading the
-        window again. Until the periods change, the previous counter's weight only shrinks
-        as time passes (``previous_count * previous_ttl / expiry``: each step of the float
-        arithmetic is monotonic in ``now``, for a count >= 0), so while that counter
-        still holds what the reading found, the count used now is at most
+        Mostly answered from the last reading's weight of the previous counter
+        (``_weight*``), without the window's arithmetic. In the steady span, that weight
+        (``previous_count * previous_ttl / expiry``: each step of the float arithmetic
+        monotonic in ``now``, for a count >= 0) only shrinks as time passes, so while the
+        previous counter still holds what the reading found, the count used now is at most
         ``floor(weight read + current count)``; when that plus ``cost`` fits, the whole
-        reading would grant too: granted, with the same write. Otherwise (another period,
-        a time before the reading's, another previous count, no room) the whole reading
-        decides. The current counter is read each time, so every writer's hits, refunds
-        and clears count. Neither counter can have expired within these periods (each
-        lives two periods from a write made in its own period), so their counts are what
-        the reading's expiry checks would find. Measured (``bench.opcodes``, S1): the
-        per-IP guard's two hits, 352 -> 158 instructions per request.
+        reading would grant too: granted, with the same write. Otherwise (out of the
+        span, a time before the reading's, another previous count, no room) the whole
+        reading decides. The current counter is read each time, so every writer's hits,
+        refunds and clears count. Measured (``bench.opcodes``, S1): the per-IP guard's
+        two hits, 352 -> 158 instructions per request.
         """
         amount = self.amount
         if cost > amount:
@@ -362,12 +371,12 @@ class SlidingCounter(MemoryCounter):
         local = self.local
         storage = local.storage
         if (
-            self._read_at <= now <= self._read_until
-            and storage.get(self._previous_key, 0) == self._read_previous_count
+            self._weight_at <= now <= self._steady_until
+            and storage.get(self._previous_key, 0) == self._weight_previous_count
         ):
             key = self._current_key
             current_count = storage.get(key, 0)
-            if self._read_weight + current_count < amount - cost + 1:
+            if self._weight + current_count < amount - cost + 1:
                 # _take, written out (_incr of a live counter): most requests' path.
                 count = current_count + cost
                 if time.monotonic() >= local._next_sweep:
@@ -385,37 +394,29 @@ class SlidingCounter(MemoryCounter):
         else:
             weight = 0.0
             used = current_count
-        self._remember_reading(now, previous_count, weight)
+        # A negative count's weight would grow with time: never answered from.
+        self._weight_at, self._weight = (now, weight) if previous_count >= 0 else (math.inf, 0.0)
+        self._weight_previous_count = previous_count
         if used + cost > amount:
             return False
         self._take(now, current_count, cost)
         return True
-
-    def _remember_reading(self, now: float, previous_count: int, weight: float) -> None:
-        """What :meth:`hit` may answer from until the periods change: this reading's time,
-        previous count and weight, and a time up to which ``now`` still falls in the same
-        two periods (checked, with the library's divisions; both indexes only grow with
-        ``now``, so every time in between does too). A negative count, whose weight would
-        grow with time, is never answered from."""
-        expiry = self.expiry
-        until = (self._window + 1) * expiry - 0.001  # the last millisecond is read whole
-        if int(until / expiry) != self._window or int((until - expiry) / expiry) != self._previous:
-            until = now
-        self._read_at, self._read_until = now, until
-        self._read_previous_count = previous_count if previous_count >= 0 else None
-        self._read_weight = weight
 
     def _read(self, now: float) -> tuple[float, float, int, int]:
         """The window's positions at ``now`` and its two counters (``get_sliding_window``)."""
         expiry = self.expiry
         position = now / expiry
         previous_position = (now - expiry) / expiry
+        local = self.local
+        if self._steady_from <= now <= self._steady_until:
+            # Both counters live (see the class): their counts, or 0 for one never written.
+            storage = local.storage
+            return position, previous_position, storage.get(self._previous_key, 0), storage.get(self._current_key, 0)
         # Each index from its own division, as the library computes them.
         if int(position) != self._window or int(previous_position) != self._previous:
             self._keys(int(position), int(previous_position))
-        # Both counters as _get reads them, inline (four of a request's nine reads are here):
-        # a live one from the storage, an expired one forgotten, a missing one 0.
-        local = self.local
+        # Both counters as _get reads them, inline: a live one from the storage, an
+        # expired one forgotten, a missing one 0.
         expirations = local.expirations
         previous_key, current_key = self._previous_key, self._current_key
         expires = expirations.get(previous_key)
@@ -432,6 +433,7 @@ class SlidingCounter(MemoryCounter):
             current_count = local.storage.get(current_key, 0)
         else:
             current_count = self._get(current_key, now)
+        self._steady(now)
         return position, previous_position, previous_count, current_count
 
     def _take(self, now: float, current_count: int, cost: int) -> None:
@@ -442,11 +444,16 @@ class SlidingCounter(MemoryCounter):
         # An acquire with no bound always takes: it only adds to the current counter
         # (a new one lives two windows), which is all this does.
         expiry = self.expiry
-        window = int(now / expiry)
-        if window != self._window:
-            self._keys(window, int((now - expiry) / expiry))
         key = self._current_key
-        self._incr(key, 2 * expiry, amount, now, self._get(key, now))
+        if self._steady_from <= now <= self._steady_until:
+            current = self.local.storage.get(key, 0)  # live (see the class)
+        else:
+            window = int(now / expiry)
+            if window != self._window:
+                self._keys(window, int((now - expiry) / expiry))
+                key = self._current_key
+            current = self._get(key, now)
+        self._incr(key, 2 * expiry, amount, now, current)
 
 # --------------------------------------------------------------------------- Redis
 # Concurrency leases: one sorted set per key, member = permit id, score = lease end (ms,
