@@ -592,7 +592,13 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         windows = self._ip_windows
         if windows is None or not self.running:
             return None
-        return self._settle_ip(_ip_hits(self._ip_counters_in(windows, ip), time.time()))
+        # The kept counters looked up here, the rest in _ip_counters_in (a layer less on
+        # every request: bench.opcodes S1, with _ip_hits, 106 -> 69 instructions).
+        counters = self._ip_counters.get(ip)
+        if counters is None or self._ip_counters_of is not self._ip_all_items:
+            counters = self._ip_counters_in(windows, ip)
+        decision = _ip_hits(counters, time.time())
+        return decision if decision is _ALLOWED else self._settle_ip(decision)
 
     def _settle_ip(self, decision: Decision) -> Decision:
         if not decision.allowed:
@@ -982,14 +988,17 @@ def _ip_refusal(rejected: list[WindowStats], now: float) -> Decision:
 def _ip_hits(counters: tuple[MemoryCounter, ...], now: float) -> Decision:
     """One request from an address on its memory windows (``per_ip_all``): hit each; when
     one refuses, the hits the others took are given back (a rejection consumes nothing)."""
-    refused = False
-    oks = []
-    for counter in counters:
-        ok = counter.hit(now)
-        oks.append(ok)
-        refused = refused or not ok
-    if not refused:
-        return _ALLOWED
+    for at, counter in enumerate(counters):
+        if not counter.hit(now):
+            return _ip_hits_refused(counters, at, now)
+    return _ALLOWED
+
+
+def _ip_hits_refused(counters: tuple[MemoryCounter, ...], at: int, now: float) -> Decision:
+    """:func:`_ip_hits` once the window at ``at`` refused: the windows after it are hit all
+    the same (each window is asked, as the coroutines' path does), then the others' hits
+    refunded."""
+    oks = [True] * at + [False] + [counter.hit(now) for counter in counters[at + 1:]]
     rejected = [WindowStats(*counter.stats(now)) for counter, ok in zip(counters, oks, strict=True) if not ok]
     for counter, ok in zip(counters, oks, strict=True):
         if ok:

@@ -563,6 +563,46 @@ async def test_sliding_hits_answered_from_the_last_reading_match_the_library(mon
 
 
 @pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
+async def test_the_per_ip_hits_stop_early_only_where_every_window_passed(strategy: str) -> None:
+    # _ip_hits returns at the first window that refuses, and _ip_hits_refused hits the
+    # windows after it all the same before refunding: the reference hits every window,
+    # then reads the refusing ones and refunds the others (the coroutines' order).
+    # Random windows (the same one twice too), times and addresses: same answers,
+    # counters and expirations.
+    import random
+
+    from limits.util import WindowStats
+
+    from actors.limiter import _ALLOWED, _ip_hits, _ip_refusal
+
+    def reference(counters: tuple[Any, ...], now: float) -> Any:
+        oks = [counter.hit(now) for counter in counters]
+        if all(oks):
+            return _ALLOWED
+        rejected = [WindowStats(*counter.stats(now)) for counter, ok in zip(counters, oks, strict=True) if not ok]
+        for counter, ok in zip(counters, oks, strict=True):
+            if ok:
+                counter.add(now, -1)
+        return _ip_refusal(rejected, now)
+
+    for seed in range(40):
+        rnd = random.Random(seed)
+        ours, theirs = Windows("memory", LocalStorage(), strategy), Windows("memory", LocalStorage(), strategy)
+        items = [RateLimitItemPerSecond(rnd.randint(1, 6), rnd.choice([1, 5, 60])) for _ in range(rnd.randint(1, 3))]
+        now = 1_000_000.0 + rnd.random()
+        for step in range(300):
+            now += rnd.choice([0, 0.01, 0.2, 1, 3])
+            ip = rnd.choice(["a", "b"])
+            answer = _ip_hits(tuple(ours.counter(item, "ip", ip) for item in items), now)
+            expected = reference(tuple(theirs.counter(item, "ip", ip) for item in items), now)
+            assert answer == expected, (seed, step)
+        ours_storage: Any = ours.storage
+        theirs_storage: Any = theirs.storage
+        assert dict(ours_storage.storage) == dict(theirs_storage.storage), seed
+        assert dict(ours_storage.expirations) == dict(theirs_storage.expirations), seed
+
+
+@pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
 async def test_a_memory_stats_and_hit_in_one_read_equal_stats_then_hit(
     strategy: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
