@@ -1019,7 +1019,10 @@ def _key_now(
     else:
         requests_reset, requests_remaining, hit_ok = requests.stats_and_hit(now)
     tokens_reset, tokens_remaining = tokens.stats(now) if tokens is not None else (0.0, None)
-    scope = _refused_scope(local_slot is False, hit_ok, None, tokens_remaining)
+    if hit_ok and (tokens_remaining is None or tokens_remaining >= 1):
+        scope = None  # what _refused_scope says of a hit that went and tokens left
+    else:
+        scope = _refused_scope(local_slot is False, hit_ok, None, tokens_remaining)
     if scope is not None and hit_ok:
         requests.add(now, -1)  # a rejected request consumes nothing
     return scope, (now, requests_reset, requests_remaining, tokens_reset, tokens_remaining)
@@ -1091,24 +1094,6 @@ _RESET_REQUESTS = istr("x-ratelimit-reset-requests")
 _LIMIT_TOKENS = istr("x-ratelimit-limit-tokens")
 _REMAINING_TOKENS = istr("x-ratelimit-remaining-tokens")
 _RESET_TOKENS = istr("x-ratelimit-reset-tokens")
-
-
-def _put_key_headers(
-    out: CIMultiDict[str], requests: int, window_seconds: int, tokens_per_minute: int | None, reading: _Reading
-) -> None:
-    """An admitted request's :func:`_key_headers`, set straight on a response's headers
-    (as ``out.update(_key_headers(...))`` does, same values in the same order, without the
-    dict in between)."""
-    now, requests_reset, requests_remaining, tokens_reset, tokens_remaining = reading
-    reset_requests = requests_reset - now
-    requests_remaining -= 1
-    out[_LIMIT_REQUESTS] = str(requests)
-    out[_REMAINING_REQUESTS] = str(requests_remaining) if requests_remaining > 0 else "0"
-    out[_RESET_REQUESTS] = reset_header(reset_requests if reset_requests > 0 else window_seconds)
-    if tokens_remaining is not None:
-        out[_LIMIT_TOKENS] = str(tokens_per_minute)
-        out[_REMAINING_TOKENS] = str(tokens_remaining) if tokens_remaining > 0 else "0"
-        out[_RESET_TOKENS] = reset_header(tokens_reset - now)
 
 
 def _key_decision(msg: Acquire, scope: str | None, reading: _Reading, *, holds_slot: bool) -> Decision:
@@ -1221,17 +1206,31 @@ class Permit:
         return headers
 
     def put_headers(self, out: CIMultiDict[str]) -> None:
-        """Set :attr:`headers` on a response's headers (``out.update(self.headers)``)."""
+        """Set :attr:`headers` on a response's headers (``out.update(self.headers)``).
+
+        A permit of :meth:`LimiterActor.acquire_now` writes :func:`_key_headers`' values
+        straight from its reading, in the same order, without the dict in between.
+        """
         headers = self._headers
-        if headers is None:
-            limits, reading = self._limits, self._reading
-            assert limits is not None and reading is not None
-            policy = limits.policy
-            _put_key_headers(
-                out, policy.rate_limit_requests, policy.rate_limit_window_seconds, policy.tokens_per_minute, reading,
-            )
-        elif headers:
-            out.update(headers)
+        if headers is not None:
+            if headers:
+                out.update(headers)
+            return
+        limits, reading = self._limits, self._reading
+        assert limits is not None and reading is not None
+        policy = limits.policy
+        now, requests_reset, requests_remaining, tokens_reset, tokens_remaining = reading
+        reset_requests = requests_reset - now
+        requests_remaining -= 1
+        out[_LIMIT_REQUESTS] = str(policy.rate_limit_requests)
+        out[_REMAINING_REQUESTS] = str(requests_remaining) if requests_remaining > 0 else "0"
+        out[_RESET_REQUESTS] = reset_header(
+            reset_requests if reset_requests > 0 else policy.rate_limit_window_seconds
+        )
+        if tokens_remaining is not None:
+            out[_LIMIT_TOKENS] = str(policy.tokens_per_minute)
+            out[_REMAINING_TOKENS] = str(tokens_remaining) if tokens_remaining > 0 else "0"
+            out[_RESET_TOKENS] = reset_header(tokens_reset - now)
 
     def track(self, record: CallRecord) -> None:
         """Charge ``record.usage`` at release (chat calls)."""
