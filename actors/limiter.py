@@ -327,6 +327,11 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         self._keys: dict[uuid.UUID, _KeyLimits] = {}
         self._ip_counters: dict[str, tuple[MemoryCounter, ...]] = {}
         self._ip_counters_of: tuple[RateLimitItem, ...] = self._ip_all_items
+        #: Every address whose failed attempts were counted, while all of them are counted
+        #: in this process's memory (no Redis, whose counts other replicas add to): a peek
+        #: at any other address reads untouched failure windows, which allow at least one
+        #: (``per_ip`` >= 1), so it cannot refuse. None: not known (Redis; too many kept).
+        self._failed_ips: set[str] | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
     async def on_start(self) -> None:
@@ -343,6 +348,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
             self._shared = _Store(Windows("redis", self._redis, strategy), Windows("memory", LocalStorage(), strategy))
         else:
             self._shared = _Store(Windows("memory", LocalStorage(), strategy), None)
+        self._failed_ips = set() if self._redis is None and _allow_one(self._ip_items) else None
         if storage is not None and storage.startswith("postgres"):
             pool = self._pool
             if storage != "postgres":
@@ -537,6 +543,7 @@ class LimiterActor(Actor[CheckIp | Acquire]):
     # is built by the same functions (_ip_refusal, _failures_spent).
     async def _decide_ip(self, windows: Windows, msg: CheckIp) -> Decision:
         if msg.kind == "failed":
+            self._note_failure(msg.ip)
             failures = self._ip_items
             if failures:
                 await _together(windows, *(windows.add(item, "ipfail", msg.ip, amount=1) for item in failures))
@@ -564,12 +571,22 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         now = time.time()
         ip = msg.ip
         if msg.kind == "failed":
+            self._note_failure(ip)
             for item in self._ip_items:
                 windows.add_now(item, "ipfail", ip, amount=1, now=now)
             return _ALLOWED
         if msg.kind == "peek":
             return _failures_spent([windows.stats_now(item, "ipfail", ip, now=now) for item in self._ip_items], now)
         return _ip_hits(self._ip_counters_in(windows, ip), now)
+
+    def _note_failure(self, ip: str) -> None:
+        """``ip``'s failed attempt is about to be counted: keep it in ``_failed_ips``."""
+        failed = self._failed_ips
+        if failed is not None and ip not in failed:
+            if len(failed) >= _MAX_KEPT:
+                self._failed_ips = None  # too many to keep: every address is peeked at from now on
+            else:
+                failed.add(ip)
 
     def _ip_counters_in(self, windows: Windows, ip: str) -> tuple[MemoryCounter, ...]:
         """The memory counters of ``ip``'s ``per_ip_all`` windows (kept for the windows in use)."""
@@ -1145,6 +1162,11 @@ def describe_ip_guard(settings: RateLimitSettings) -> str:
     )
 
 
+def _allow_one(items: tuple[RateLimitItem, ...]) -> bool:
+    """Whether untouched windows of ``items`` allow a hit (config's ``per_ip`` >= 1 ensures it)."""
+    return all(item.amount >= 1 for item in items)
+
+
 def _ip_items(per_ip: str, per_ip_burst: int | None) -> tuple[RateLimitItem, ...]:
     """A per-address guard's windows: the rate, and a burst allowance above it.
 
@@ -1281,6 +1303,16 @@ class LimiterHandle:
         self._actor._ip_items = _ip_items(settings.per_ip, settings.per_ip_burst)
         self._actor._ip_all_items = _ip_items(settings.per_ip_all, None)
         self._actor.guards_ip = bool(self._actor._ip_items or self._actor._ip_all_items)
+        if not _allow_one(self._actor._ip_items):
+            self._actor._failed_ips = None
+
+    def failures_counted(self, ip: str) -> bool:
+        """Whether ``ip``'s allowance of failed attempts could be spent (``check_ip(ip,
+        "peek")`` could refuse): False when this process knows it is untouched (see
+        ``LimiterActor._failed_ips``), and the guard need not ask whether the request
+        would cost a key lookup."""
+        failed = self._actor._failed_ips
+        return failed is None or ip in failed
 
     async def check_ip(self, ip: str, kind: str = "any") -> None:
         """The per-address guard (see :class:`CheckIp` for ``kind``); RateLimited when refused."""

@@ -108,6 +108,9 @@ class _Limiter:
     async def check_ip(self, ip: str, kind: str = "all") -> None:
         return None
 
+    def failures_counted(self, ip: str) -> bool:
+        return False  # as the real one says of an address with no failed attempts
+
     async def acquire(self, key: VerifiedKey) -> _Permit:
         return _Permit()
 

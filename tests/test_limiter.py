@@ -384,6 +384,45 @@ async def test_per_ip_all_caps_every_request_and_failures_do_not_spend_it(limite
     assert limiter.actor.rejections["ip"] == 6
 
 
+@pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
+async def test_an_address_without_counted_failures_is_never_refused_a_peek(
+    limiter_factory: Any, strategy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The edge skips the auth cache's check (and the peek) for an address whose failures
+    # the limiter says were never counted (failures_counted): for every address it says
+    # so of, the peek it skips must allow, at any time and after any failures elsewhere.
+    import random
+
+    from actors import limiter as limiter_module
+
+    clock = [1_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    memory = await limiter_factory(strategy=strategy, per_ip="2/minute", per_ip_burst=1)
+    rnd = random.Random(5)
+    ips = [f"10.0.1.{i}" for i in range(6)]
+    skipped = 0
+    for _ in range(400):
+        clock[0] += rnd.choice([0.0, 0.5, 7.0, 61.0])
+        ip = rnd.choice(ips)
+        if rnd.random() < 0.2:
+            await memory.handle.check_ip(ip, "failed")
+        counted = memory.handle.failures_counted(ip)
+        refused = await guard(memory.handle, ip, "peek")
+        if not counted:
+            skipped += 1
+            assert refused is None, ip
+    assert 0 < skipped < 400
+    assert not memory.handle.failures_counted("10.0.2.1") and memory.handle.failures_counted(ips[0])
+    # Too many addresses to keep: every one is peeked at from then on.
+    monkeypatch.setattr(limiter_module, "_MAX_KEPT", 3)
+    for i in range(4):
+        await memory.handle.check_ip(f"10.0.3.{i}", "failed")
+    assert memory.handle.failures_counted("10.0.2.1")
+    # In Redis other replicas count failures too: always peek.
+    shared = await limiter_factory(storage="redis", strategy=strategy, per_ip="2/minute", per_ip_burst=1)
+    assert shared.handle.failures_counted("10.0.2.1")
+
+
 async def guard(handle: LimiterHandle, ip: str, kind: str = "any") -> RateLimited | None:
     try:
         await handle.check_ip(ip, kind)
