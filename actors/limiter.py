@@ -1035,7 +1035,10 @@ def _key_now(
         hit_ok = False
     else:
         requests_reset, requests_remaining, hit_ok = requests.stats_and_hit(now)
-    tokens_reset, tokens_remaining = tokens.stats(now) if tokens is not None else (0.0, None)
+    if tokens is None:
+        tokens_reset, tokens_remaining = 0.0, None
+    else:
+        tokens_reset, tokens_remaining, _ = tokens.stats_and_hit(now, None)  # its stats
     if hit_ok and (tokens_remaining is None or tokens_remaining >= 1):
         scope = None  # what _refused_scope says of a hit that went and tokens left
     else:

@@ -193,8 +193,9 @@ class MemoryCounter:
     Every operation takes ``now`` (``time.time()``, read once per decision by the caller)
     and answers with plain numbers: ``stats`` → ``(reset_time, remaining)``,
     ``stats_and_hit`` → ``(reset_time, remaining, hit)`` (the stats as read just before
-    the hit, reading the counters once), ``hit`` → whether ``cost`` was taken (a rejected
-    hit consumes nothing), ``add`` an unconditional charge or refund.
+    the hit, reading the counters once; with ``cost`` None the stats alone, hit False),
+    ``hit`` → whether ``cost`` was taken (a rejected hit consumes nothing), ``add`` an
+    unconditional charge or refund.
     """
 
     __slots__ = ("amount", "expiry", "key", "local")
@@ -206,9 +207,10 @@ class MemoryCounter:
         self.expiry = expiry
 
     def stats(self, now: float) -> tuple[float, int]:
-        raise NotImplementedError
+        reset, remaining, _ = self.stats_and_hit(now, None)
+        return reset, remaining
 
-    def stats_and_hit(self, now: float, cost: int = 1) -> tuple[float, int, bool]:
+    def stats_and_hit(self, now: float, cost: int | None = 1) -> tuple[float, int, bool]:
         raise NotImplementedError
 
     def hit(self, now: float, cost: int = 1) -> bool:
@@ -255,14 +257,12 @@ class FixedCounter(MemoryCounter):
 
     __slots__ = ()
 
-    def stats(self, now: float) -> tuple[float, int]:
-        count = self._get(self.key, now)
-        return self.local.expirations.get(self.key, now), max(0, self.amount - count)
-
-    def stats_and_hit(self, now: float, cost: int = 1) -> tuple[float, int, bool]:
+    def stats_and_hit(self, now: float, cost: int | None = 1) -> tuple[float, int, bool]:
         key, amount = self.key, self.amount
         count = self._get(key, now)
         reset = self.local.expirations.get(key, now)  # before the hit sets a new window's expiry
+        if cost is None:
+            return reset, max(0, amount - count), False
         return reset, max(0, amount - count), self._hit(key, amount, cost, now, count)
 
     def hit(self, now: float, cost: int = 1) -> bool:
@@ -284,8 +284,9 @@ class SlidingCounter(MemoryCounter):
     (``{key}/{now // period}``) plus the previous one's, weighted by how much of it
     still overlaps the sliding window; a counter lives two periods.
 
-    One reading of the window (:meth:`_read`) and one take (:meth:`_take`) serve both the
-    stats-and-hit of a key's window and the per-IP hit, in the library's order.
+    One reading of the window (:meth:`_read`) serves both the stats-and-hit of a key's
+    window and the per-IP hit, in the library's order; a take adds to the current counter
+    (:meth:`_incr`), which, new, lives two periods (it is the next period's previous).
 
     Within the two periods its keys are of, a counter's reads need not check expiry:
     each counter lives two periods from a write made in its own period (the key says
@@ -325,15 +326,18 @@ class SlidingCounter(MemoryCounter):
         ):
             self._steady_from, self._steady_until = min(now, self._steady_from), until
 
-    def stats(self, now: float) -> tuple[float, int]:
-        reset, remaining, _ = self.stats_and_hit(now, None)
-        return reset, remaining
-
     def stats_and_hit(self, now: float, cost: int | None = 1) -> tuple[float, int, bool]:
         """``get_window_stats``, then (unless ``cost`` is None) ``acquire_sliding_window_entry``,
         on one reading of the two counters."""
         expiry = self.expiry
-        position, previous_position, previous_count, current_count = self._read(now)
+        position = now / expiry
+        previous_position = (now - expiry) / expiry
+        if self._steady_from <= now <= self._steady_until:
+            # _read's steady case, here: a key's two windows are read on every request.
+            storage = self.local.storage
+            previous_count, current_count = storage.get(self._previous_key, 0), storage.get(self._current_key, 0)
+        else:
+            _, _, previous_count, current_count = self._read(now)
         current_ttl = (1 - (position % 1)) * expiry + expiry
         if previous_count:
             previous_ttl = (1 - (previous_position % 1)) * expiry
@@ -347,7 +351,7 @@ class SlidingCounter(MemoryCounter):
         remaining = amount - used if used < amount else 0
         if cost is None or cost > amount or used + cost > amount:
             return reset, remaining, False
-        self._take(now, current_count, cost)
+        self._incr(self._current_key, 2 * self.expiry, cost, now, current_count)
         return reset, remaining, True
 
     def hit(self, now: float, cost: int = 1) -> bool:
@@ -377,7 +381,7 @@ class SlidingCounter(MemoryCounter):
             key = self._current_key
             current_count = storage.get(key, 0)
             if self._weight + current_count < amount - cost + 1:
-                # _take, written out (_incr of a live counter): most requests' path.
+                # _incr, written out (of a live counter): most requests' path.
                 count = current_count + cost
                 if time.monotonic() >= local._next_sweep:
                     local._sweep_soon()
@@ -399,7 +403,7 @@ class SlidingCounter(MemoryCounter):
         self._weight_previous_count = previous_count
         if used + cost > amount:
             return False
-        self._take(now, current_count, cost)
+        self._incr(self._current_key, 2 * self.expiry, cost, now, current_count)
         return True
 
     def _read(self, now: float) -> tuple[float, float, int, int]:
@@ -435,10 +439,6 @@ class SlidingCounter(MemoryCounter):
             current_count = self._get(current_key, now)
         self._steady(now)
         return position, previous_position, previous_count, current_count
-
-    def _take(self, now: float, current_count: int, cost: int) -> None:
-        # As the library: a new current counter lives two windows (it is next window's previous).
-        self._incr(self._current_key, 2 * self.expiry, cost, now, current_count)
 
     def add(self, now: float, amount: int) -> None:
         # An acquire with no bound always takes: it only adds to the current counter
