@@ -691,6 +691,14 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         As :meth:`release_now` does for a Release of it; where that would post the
         Release (the actor stopped, tokens to charge in a remote storage), this does too.
         """
+        if limits.generation == self._generation and self.running:
+            # The windows of the grant are still in use (this process's memory, so
+            # ``_ip_windows`` too), and ``limits.tokens`` is there when the key has a tpm.
+            if local_slot:
+                self._free_local(limits.key_id)
+            if tokens > 0 and limits.tokens is not None:
+                limits.tokens.add(time.time(), tokens)
+            return
         tpm = limits.policy.tokens_per_minute
         charge = tokens > 0 and bool(tpm)
         if not (local_slot or charge):
@@ -698,11 +706,8 @@ class LimiterActor(Actor[CheckIp | Acquire]):
         if self.running and (not charge or self._ip_windows is not None):
             if local_slot:
                 self._free_local(limits.key_id)
-            if charge:
-                if limits.generation == self._generation and limits.tokens is not None:
-                    limits.tokens.add(time.time(), tokens)
-                else:  # the windows changed since the grant: charge the ones in use now
-                    self._charge(Release("", limits.key_id, tpm, tokens))
+            if charge:  # the windows changed since the grant: charge the ones in use now
+                self._charge(Release("", limits.key_id, tpm, tokens))
             return
         msg = handle._release_message(limits.key_id, tpm, tokens if charge else 0)
         if local_slot:

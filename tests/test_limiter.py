@@ -221,6 +221,37 @@ async def test_tokens_are_checked_before_and_charged_after(
     assert limiter.actor.rejections["tokens"] == 1
 
 
+async def test_a_memory_permit_released_after_the_windows_changed_charges_the_ones_in_use(
+    limiter_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # release_permit_now: with the grant's windows still in use, the permit's own counters
+    # take its tokens; once they changed (a storage outage or recovery, here simulated),
+    # the windows in use then do. Either way the slot is freed.
+    clock = [1_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    limiter = await limiter_factory()
+    key = VerifiedKey(
+        api_key_id=uuid.uuid4(), subject_id=uuid.uuid4(), name="k", key_prefix="llmg_k", key_hash=b"\0" * 32,
+        policy=KeyPolicy(rate_limit_requests=100, rate_limit_window_seconds=60, tokens_per_minute=1000, max_concurrent=2),
+        expires_at=None,
+    )
+    key_id = str(key.api_key_id)
+    kept = await limiter.handle.acquire(key)
+    moved = await limiter.handle.acquire(key)
+    assert limiter.actor.inflight[key_id] == 2
+    kept.charge(100)
+    kept.release()
+    assert limiter.actor.inflight[key_id] == 1
+    limiter.actor._stores_changed()  # new windows generation: the permit's counters are stale
+    moved.charge(250)
+    moved.release()
+    assert key_id not in limiter.actor.inflight
+    assert limiter.actor._shared is not None
+    windows = limiter.actor._shared.current()
+    stats = windows.stats_now(limiter.actor._item(1000, 60), "tok", key_id, now=clock[0])
+    assert stats.remaining == 1000 - 350
+
+
 async def away_from_minute_edge() -> None:
     """The memory sliding window is aligned to the clock: keep a token test off its edge."""
     into = time.time() % 60
