@@ -50,7 +50,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,7 +136,7 @@ def timeouts_for(group: ModelGroup, provider: Provider) -> Timeouts:
     )
 
 
-async def dispatch(
+def dispatch(
     state: GatewayState,
     route: Route,
     body: dict[str, Any],
@@ -145,27 +145,28 @@ async def dispatch(
     stream: bool,
     headers: Mapping[str, str] | None = None,
     native: NativeCall | None = None,
-) -> tuple[Target, UpstreamReply]:
-    """The first good reply among the route's targets, then its fallbacks'.
+) -> Coroutine[Any, Any, tuple[Target, UpstreamReply]]:
+    """The first good reply among the route's targets, then its fallbacks' (awaited).
 
     Returns the provider's reply (possibly its own error answer, relayed as is).
     Raises CircuitOpen (nothing healthy), UpstreamTimeout or UpstreamUnavailable.
     ``record`` gets provider, deployment, retries, failovers and fallback_model, and
     the time spent waiting on providers. ``headers`` default to the call's trace context.
+    A plain function handing back :meth:`_Call.run`'s coroutine: one coroutine less per call.
     """
     call = _Call(state, body, record, stream, record.trace_headers if headers is None else headers, native=native)
-    return await call.run(_chain(state, route))
+    return call.run(_chain(state, route))
 
 
-async def embed(
+def embed(
     state: GatewayState,
     route: Route,
     body: dict[str, Any],
     record: CallRecord,
     *,
     headers: Mapping[str, str] | None = None,
-) -> tuple[Target, UpstreamReply]:
-    """An embeddings call, dispatched like a whole chat call (breakers, retries, failover,
+) -> Coroutine[Any, Any, tuple[Target, UpstreamReply]]:
+    """An embeddings call (awaited), dispatched like a whole chat call (breakers, retries, failover,
     fallbacks) over the targets whose provider serves embeddings.
 
     Raises as :func:`dispatch` does, and ModelNotFound when no target serves embeddings.
@@ -173,7 +174,7 @@ async def embed(
     call = _Call(
         state, body, record, False, record.trace_headers if headers is None else headers, embeddings=True
     )
-    return await call.run(_chain(state, route))
+    return call.run(_chain(state, route))
 
 
 def _chain(state: GatewayState, route: Route) -> list[tuple[str | None, Route]]:

@@ -6,7 +6,7 @@ headers is forwarded except the trace context the relay passes in ``headers``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -57,17 +57,16 @@ class OpenAIProvider(Provider):
     def address(self) -> str | None:
         return self._address
 
-    async def chat(
+    def chat(
         self,
         body: dict[str, Any],
         *,
         stream: bool,
         headers: Mapping[str, str],
         timeouts: Timeouts | None = None,
-    ) -> UpstreamReply:
-        return await self._post(
-            self._chat_url, orjson.dumps(body), stream=stream, headers=headers, timeouts=timeouts
-        )
+    ) -> Coroutine[Any, Any, UpstreamReply]:
+        # Not a coroutine of its own around _post's: one coroutine less per call.
+        return self._post(self._chat_url, orjson.dumps(body), stream=stream, headers=headers, timeouts=timeouts)
 
     async def responses(
         self,
