@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from actors.breaker import CircuitState, Health
-from gateway.core.config import ConfigError, Deployment, Price
-from gateway.relay.routing import Target
+from gateway.core.config import ConfigError, Deployment, Price, ProviderConfig, parse_config
+from gateway.providers.base import Provider
+from gateway.relay.routing import Router, Target, timeouts_for
 from gateway.relay.strategies import order_targets
 from tests.conftest import auth, chat_body
 from tests.fleet import dead_url, fleet_config, records, served_by
@@ -228,3 +231,44 @@ async def test_nothing_healthy_is_503_circuit_open_with_retry_after(gateway_fact
         "message": "no healthy deployment for model 'm'", "type": "service_unavailable", "code": "circuit_open"}
     assert 20 <= int(resp.headers["Retry-After"]) <= 30
     assert await served_by(a) == [1]
+
+
+
+class _RegionViews(Provider):
+    """A provider whose deployments each go through a view of their own (as Bedrock's regions)."""
+
+    def __init__(self, config: ProviderConfig) -> None:
+        super().__init__(config, request_timeout=30.0)
+        self.views: dict[str, Provider] = {}
+
+    def for_deployment(self, deployment: Deployment) -> Provider:
+        return self.views.setdefault(deployment.id, Provider(self.config, request_timeout=30.0))
+
+
+def test_a_router_with_providers_resolves_each_targets_provider_and_timeouts_once() -> None:
+    """Dispatch takes a target's provider and timeouts from the target when its router was
+    built with the generation's providers, and looks them up per call otherwise: both the same."""
+    config = parse_config(json.dumps({
+        "providers": {
+            "a": {"base_url": "http://a.test", "api_key": "k", "timeout_seconds": 7, "idle_timeout_seconds": 3},
+            "b": {"base_url": "http://b.test", "api_key": "k"},
+        },
+        "models": [
+            group("own", dep("a"), dep("b", priority=1)),
+            group("timed", dep("a"), dep("b", priority=1), timeout_seconds=2, connect_timeout_seconds=1),
+            group("any/*", dep("a", "*")),
+        ],
+    }), Path("routing.yaml"))
+    providers: dict[str, Provider] = {name: _RegionViews(c) for name, c in config.providers.items()}
+    router, bare = Router(config, providers=providers), Router(config)
+    for model in ("own", "timed", "any/x"):
+        route, plain = router.resolve(model), bare.resolve(model)
+        assert route.targets == plain.targets
+        for target, unresolved in zip(route.targets, plain.targets, strict=True):
+            # What dispatch looks up per call for a target without them.
+            looked_up = route.router.providers[target.provider].for_deployment(target.deployment)  # type: ignore[union-attr]
+            assert target.timeouts == timeouts_for(route.group, looked_up)
+            assert target.client is looked_up and target.client is not providers[target.provider]
+            assert unresolved.client is None and unresolved.timeouts is None
+    timed = router.resolve("timed").targets[0].timeouts
+    assert timed is not None and (timed.connect, timed.total, timed.idle) == (1.0, 2.0, 3.0)

@@ -57,7 +57,6 @@ from typing import Any
 import orjson
 
 from actors.breaker import DEFAULT_COOLDOWN_SECONDS, Admission, BreakerHandle, Outcome
-from gateway.core.config import ModelGroup
 from gateway.core.errors import (
     CircuitOpen,
     GatewayError,
@@ -76,7 +75,6 @@ from gateway.protocols.sse import event_data
 from gateway.providers.base import (
     Provider,
     ProviderError,
-    Timeouts,
     UpstreamCredentialRejected,
     UpstreamProtocolError,
     UpstreamReply,
@@ -85,7 +83,7 @@ from gateway.providers.base import (
     watched,
 )
 from gateway.relay.retry import RETRYABLE_STATUSES, is_failure_status, may_resend
-from gateway.relay.routing import Route, Target
+from gateway.relay.routing import Route, Target, timeouts_for
 
 __all__ = ["NativeCall", "dispatch", "embed", "timeouts_for"]
 
@@ -122,18 +120,6 @@ class NativeCall:
 
     def for_model(self, model: str) -> dict[str, Any]:
         return self.body if self.body.get("model") == model else {**self.body, "model": model}
-
-
-def timeouts_for(group: ModelGroup, provider: Provider) -> Timeouts:
-    """The call's timeouts: the group's where set, else the provider's (never one cap)."""
-    if group.connect_timeout is None and group.timeout is None and group.idle_timeout is None:
-        return provider.timeouts
-    base = provider.timeouts
-    return Timeouts(
-        connect=group.connect_timeout or base.connect,
-        total=group.timeout or base.total,
-        idle=group.idle_timeout or base.idle,
-    )
 
 
 def dispatch(
@@ -292,11 +278,13 @@ class _Call:
         self, target: Target, route: Route, fallback_model: str | None, *, more: bool
     ) -> UpstreamReply | None:
         """Attempts on one target; the reply to return, or None to move on."""
-        state, breaker, record, group = self.state, self.breaker, self.record, route.group
+        state, breaker, record = self.state, self.breaker, self.record
         deployment = target.deployment.id
-        provider = _providers_of(state, route)[target.provider].for_deployment(target.deployment)
-        timeouts = timeouts_for(group, provider)
-        max_retries = state.retry_policy.retries_for(provider.config)
+        # Resolved when the route's router was built (once per config generation).
+        provider, timeouts = target.client, target.timeouts
+        if provider is None or timeouts is None:  # a router built without providers
+            provider = _providers_of(state, route)[target.provider].for_deployment(target.deployment)
+            timeouts = timeouts_for(route.group, provider)
         body = self.body
         if body.get("model") != target.upstream_model:
             body = {**body, "model": target.upstream_model}
@@ -356,7 +344,7 @@ class _Call:
                 first = await _first_event(reply) if self.stream and reply.ok and reply.events is not None else None
             except ProviderError as exc:
                 resend = may_resend(exc, provider.config)
-                retry = resend and attempt < max_retries
+                retry = resend and attempt < state.retry_policy.retries_for(provider.config)
                 breaker.report(deployment, Outcome.FAILURE, token=token, will_retry=retry and not token)
                 self.last_error, self.last_reply, self.last_target = exc, None, target
                 detail = error_detail(exc)
@@ -397,7 +385,7 @@ class _Call:
                 retry = (
                     status in RETRYABLE_STATUSES
                     and not (status == 429 and more)  # cooled: another deployment beats waiting
-                    and attempt < max_retries
+                    and attempt < state.retry_policy.retries_for(provider.config)
                     and (retry_after is None or retry_after <= state.retry_policy.max_retry_after)
                 )
                 if status == 429:

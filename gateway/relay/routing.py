@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING
 
 from gateway.core.config import Deployment, GatewayConfig, ModelGroup
 from gateway.core.errors import ModelNotAllowed, ModelNotFound
-from gateway.providers.base import Provider, ProviderError
+from gateway.providers.base import Provider, ProviderError, Timeouts
 from gateway.relay.strategies import order_targets
 
 if TYPE_CHECKING:
     from actors.breaker import Health
 
-__all__ = ["ModelCatalog", "Route", "Router", "Target"]
+__all__ = ["ModelCatalog", "Route", "Router", "Target", "timeouts_for"]
 
 log = logging.getLogger("gateway.routing")
 
@@ -40,6 +40,12 @@ class Target:
 
     deployment: Deployment
     upstream_model: str
+    #: The provider a call to it goes through (:meth:`Provider.for_deployment`) in the
+    #: config generation whose router built it, and the call's timeouts there: resolved
+    #: once per generation, not per call. None: built without providers (dispatch then
+    #: looks them up in the gateway's state).
+    client: Provider | None = field(default=None, compare=False, repr=False)
+    timeouts: Timeouts | None = field(default=None, compare=False, repr=False)
 
     @property
     def provider(self) -> str:
@@ -75,7 +81,7 @@ class Router:
         self._groups: Mapping[str, ModelGroup] = {m.name: m for m in config.models}
         # Exact groups resolve to the same targets every call: build them once.
         self._exact_routes: dict[str, Route] = {
-            name: Route(name, group, _targets(group, name), self) for name, group in self._exact.items()
+            name: Route(name, group, _targets(group, name, self.providers), self) for name, group in self._exact.items()
         }
         #: Draws the weighted strategy's order; seedable for tests.
         self.rng = rng or random.Random()
@@ -97,7 +103,7 @@ class Router:
         for candidate in self._wildcards:
             prefix = candidate.name[:-1]
             if model.startswith(prefix) and len(model) > len(prefix):
-                return Route(model, candidate, _targets(candidate, model[len(prefix):]), self)
+                return Route(model, candidate, _targets(candidate, model[len(prefix):], self.providers), self)
         raise ModelNotFound(f"model {model!r} not found")
 
     def order(
@@ -155,10 +161,30 @@ def _allows(allowed: Sequence[str], model: str) -> bool:
     return any(fnmatch.fnmatchcase(model, pattern) for pattern in allowed)
 
 
-def _targets(group: ModelGroup, rest: str) -> tuple[Target, ...]:
+def _targets(group: ModelGroup, rest: str, providers: Mapping[str, Provider]) -> tuple[Target, ...]:
     # Stable sort: equal priorities keep their config order (the deterministic tie-break).
     ordered = sorted(group.deployments, key=lambda d: d.priority)
-    return tuple(Target(d, rest if d.model == "*" else d.model) for d in ordered)
+    return tuple(_target(group, d, rest if d.model == "*" else d.model, providers) for d in ordered)
+
+
+def _target(group: ModelGroup, deployment: Deployment, upstream_model: str, providers: Mapping[str, Provider]) -> Target:
+    provider = providers.get(deployment.provider)
+    if provider is None:
+        return Target(deployment, upstream_model)
+    provider = provider.for_deployment(deployment)
+    return Target(deployment, upstream_model, provider, timeouts_for(group, provider))
+
+
+def timeouts_for(group: ModelGroup, provider: Provider) -> Timeouts:
+    """A call's timeouts: the group's where set, else the provider's (never one cap)."""
+    if group.connect_timeout is None and group.timeout is None and group.idle_timeout is None:
+        return provider.timeouts
+    base = provider.timeouts
+    return Timeouts(
+        connect=group.connect_timeout or base.connect,
+        total=group.timeout or base.total,
+        idle=group.idle_timeout or base.idle,
+    )
 
 
 class ModelCatalog:
