@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from gateway.protocols.sse import MAX_EVENT_BYTES, EventSplitter, EventTooLarge, iter_events
 from gateway.providers.base import (
+    TRANSPORT_FAILURES,
     EventStream,
     ProviderError,
     UpstreamConnectError,
@@ -26,6 +27,7 @@ from gateway.providers.base import (
     UpstreamTimeoutError,
     map_transport_errors,
     stream_chunks,
+    transport_error,
     watched,
 )
 from tests.conftest import split_at
@@ -260,6 +262,37 @@ async def test_transport_errors_become_what_map_transport_errors_makes_them(
     assert events == [b"data: 1\n\n"]
     assert type(error) is mapped is type(expected.value) and str(error) == str(expected.value)
     assert error.__cause__ is failure
+
+
+@pytest.mark.parametrize("failure", [
+    aiohttp.ClientConnectorError(aiohttp.client_reqrep.ConnectionKey("h", 80, False, True, None, None, None), OSError()),
+    aiohttp.ClientPayloadError("cut"),
+    aiohttp.SocketTimeoutError("silent"),
+    aiohttp.ServerDisconnectedError(),
+    aiohttp.ClientResponseError(None, (), status=500),  # type: ignore[arg-type]
+    TimeoutError(),
+    ConnectionResetError(),
+    BrokenPipeError(),
+    EventTooLarge("big"),
+    UpstreamProtocolError("already ours"),
+    KeyError("x"),
+    ValueError("odd"),
+])
+async def test_the_transport_failures_caught_by_try_are_what_map_transport_errors_maps(failure: BaseException) -> None:
+    """``except TRANSPORT_FAILURES: raise transport_error(exc)`` (the hot path's form) and
+    ``with map_transport_errors():`` raise the same for every failure, and let the same pass."""
+    with pytest.raises(BaseException) as by_with, map_transport_errors():
+        raise failure
+    try:
+        try:
+            raise failure
+        except TRANSPORT_FAILURES as exc:
+            raise transport_error(exc) from exc
+    except BaseException as exc:
+        by_try = exc
+    assert type(by_try) is type(by_with.value) and str(by_try) == str(by_with.value)
+    assert by_try.__cause__ is by_with.value.__cause__
+    assert (by_try is failure) is (by_with.value is failure)
 
 
 async def test_other_errors_and_cancellation_pass_as_they_are() -> None:

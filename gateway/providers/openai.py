@@ -16,6 +16,7 @@ import orjson
 from gateway.core.config import ProviderConfig
 from gateway.providers.base import (
     IDENTITY_ENCODING,
+    TRANSPORT_FAILURES,
     EventStream,
     Provider,
     Timeouts,
@@ -23,8 +24,8 @@ from gateway.providers.base import (
     UpstreamReply,
     client_timeout,
     fetch_model_ids,
-    map_transport_errors,
     read_reply,
+    transport_error,
 )
 
 __all__ = ["OpenAIProvider"]
@@ -104,10 +105,12 @@ class OpenAIProvider(Provider):
             timeout = self._stream_timeout if stream else self._whole_timeout
         else:
             timeout = client_timeout(timeouts, stream=stream)
-        with map_transport_errors():
+        try:
             resp = await self._session.post(
                 url, data=data, headers=send_headers, timeout=timeout, auto_decompress=True
             )
+        except TRANSPORT_FAILURES as exc:  # map_transport_errors(), without its two calls
+            raise transport_error(exc) from exc
         content_type = resp.headers.get("Content-Type", "")
         if stream and resp.status < 300 and content_type.startswith("text/event-stream"):
             return UpstreamReply(status=resp.status, headers=resp.headers, events=_events(resp), _release=resp.release)
