@@ -180,10 +180,18 @@ def _chain(state: GatewayState, route: Route) -> list[tuple[str | None, Route]]:
 class _Call:
     """One dispatch: what was tried, what failed last, how long the skipped ones wait."""
 
-    __slots__ = (
-        "attempted", "body", "breaker", "capable", "embeddings", "headers", "last_error", "last_reply",
-        "last_target", "limited", "native", "record", "state", "stream", "wait",
-    )
+    # What a call records of its attempts starts at these class defaults: an instance
+    # stores only what changes (most calls: one attempt, nothing failed), 21 instructions
+    # a call less than setting each (no __slots__, which would forbid the defaults).
+    #: Targets that could take this call (open circuits included).
+    capable = 0
+    attempted = 0
+    last_error: ProviderError | None = None
+    last_reply: UpstreamReply | None = None
+    last_target: Target | None = None
+    wait: float | None = None
+    #: A target was skipped for its rpm/tpm (all skipped: 429, not 503).
+    limited = False
 
     def __init__(
         self, state: GatewayState, body: dict[str, Any], record: CallRecord, stream: bool,
@@ -194,20 +202,11 @@ class _Call:
         self.native = native
         #: An embeddings call: only targets whose provider serves embeddings are tried.
         self.embeddings = embeddings
-        #: Targets that could take this call (open circuits included).
-        self.capable = 0
         self.breaker = state.breaker
         self.body = body
         self.record = record
         self.stream = stream
         self.headers = headers
-        self.attempted = 0
-        self.last_error: ProviderError | None = None
-        self.last_reply: UpstreamReply | None = None
-        self.last_target: Target | None = None
-        self.wait: float | None = None
-        #: A target was skipped for its rpm/tpm (all skipped: 429, not 503).
-        self.limited = False
 
     async def run(self, chain: list[tuple[str | None, Route]]) -> tuple[Target, UpstreamReply]:
         """The first good reply along ``chain``, the time waited on providers recorded
