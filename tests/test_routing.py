@@ -270,5 +270,7 @@ def test_a_router_with_providers_resolves_each_targets_provider_and_timeouts_onc
             assert target.timeouts == timeouts_for(route.group, looked_up)
             assert target.client is looked_up and target.client is not providers[target.provider]
             assert unresolved.client is None and unresolved.timeouts is None
+            for built in (target, unresolved, Target(target.deployment, "other")):
+                assert (built.deployment_id, built.provider) == (built.deployment.id, built.deployment.provider)
     timed = router.resolve("timed").targets[0].timeouts
     assert timed is not None and (timed.connect, timed.total, timed.idle) == (1.0, 2.0, 3.0)

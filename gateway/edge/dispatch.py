@@ -231,7 +231,7 @@ class _Call:
                     providers = self.state.providers
                     ordered = [t for t in ordered if self.native.spoken_by(providers[t.provider])]
                 for index, target in enumerate(ordered):
-                    key = (target.deployment.id, target.upstream_model)
+                    key = (target.deployment_id, target.upstream_model)
                     if key in seen:
                         continue  # a fallback sharing a deployment: it already failed
                     seen.add(key)
@@ -278,7 +278,7 @@ class _Call:
     ) -> UpstreamReply | None:
         """Attempts on one target; the reply to return, or None to move on."""
         state, breaker, record = self.state, self.breaker, self.record
-        deployment = target.deployment.id
+        deployment = target.deployment_id
         # Resolved when the route's router was built (once per config generation).
         provider, timeouts = target.client, target.timeouts
         if provider is None or timeouts is None:  # a router built without providers
@@ -407,7 +407,7 @@ class _Call:
 
     async def _credential_refused(self, target: Target, reply: UpstreamReply, token: int) -> None:
         """The provider refused our credential: loud for the operator, a failure to move on from."""
-        deployment = target.deployment.id
+        deployment = target.deployment_id
         await reply.release()
         # Neutral, not a failure: the operator's fix (a rotated key file) takes effect
         # within a second, and an open circuit would keep the deployment out long after.
@@ -433,7 +433,7 @@ def _left_behind(
 ) -> tuple[str, str]:
     """The deployment a call is leaving and why (error name or status), for the span."""
     why = type(error).__name__ if error is not None else str(reply.status) if reply is not None else "skipped"
-    return (target.deployment.id if target is not None else "none"), why
+    return (target.deployment_id if target is not None else "none"), why
 
 
 async def _first_event(reply: UpstreamReply) -> bytes:

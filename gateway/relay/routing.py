@@ -46,10 +46,14 @@ class Target:
     #: looks them up in the gateway's state).
     client: Provider | None = field(default=None, compare=False, repr=False)
     timeouts: Timeouts | None = field(default=None, compare=False, repr=False)
+    #: ``deployment.id`` and ``deployment.provider``, read on every attempt: kept here, not
+    #: formatted per read (the id is a property: 13 instructions a read).
+    deployment_id: str = field(init=False, compare=False, repr=False)
+    provider: str = field(init=False, compare=False, repr=False)
 
-    @property
-    def provider(self) -> str:
-        return self.deployment.provider
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "deployment_id", self.deployment.id)
+        object.__setattr__(self, "provider", self.deployment.provider)
 
 
 @dataclass(frozen=True, slots=True)
