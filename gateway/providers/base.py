@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 
@@ -191,8 +191,6 @@ class UpstreamReply:
     #: checked to be a JSON object): usage and the cache read this instead of parsing again.
     answer: dict[str, Any] | None = None
     events: AsyncIterator[bytes] | None = None
-    #: The upstream response id and model, when known before the body is read.
-    extra: dict[str, Any] = field(default_factory=dict)
     #: The protocol of ``body`` / ``events``: "chat" (the internal shape, what
     #: :meth:`Provider.chat` answers), "anthropic" (:meth:`Provider.messages`, as sent)
     #: or "responses" (:meth:`Provider.responses`, as sent).
