@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from unittest import mock
 
 import orjson
+import pytest
+from aiohttp import web
+from aiohttp.streams import StreamReader
+from aiohttp.test_utils import make_mocked_request
 
+from gateway.core.errors import RequestTooLarge
+from gateway.http.bodies import read_body
 from tests.conftest import FakeUpstream, Gateway, auth, chat_body, sse_payloads
 
 
@@ -109,6 +116,31 @@ async def test_body_over_the_limit_is_413(gateway_factory: Any, fake: FakeUpstre
     resp = await gw.data.post("/v1/chat/completions", json=chat_body("x" * 5000), headers=auth(api_key))
     assert resp.status == 413
     assert (await resp.json())["error"]["code"] == "request_too_large"
+
+
+@pytest.mark.parametrize("chunks", [[b'{"a": 1}'], [b'{"a":', b' 1}', b" "], [], [b"x" * 1500], [b"x" * 700] * 3])
+async def test_a_body_all_here_is_read_as_request_read_reads_it(chunks: list[bytes]) -> None:
+    """read_body takes a body that has all arrived without request.read(): the same bytes,
+    the same refusals (over its limit; over aiohttp's cap, the 413 the error layer renders)."""
+
+    def request() -> web.Request:
+        payload = StreamReader(mock.Mock(_reading_paused=False), 2**16, loop=asyncio.get_running_loop())
+        for chunk in chunks:
+            payload.feed_data(chunk)
+        payload.feed_eof()
+        return make_mocked_request("POST", "/v1/chat/completions", payload=payload, client_max_size=2000)
+
+    for limit in (1000, 5000):
+        try:
+            raw = await request().read()
+            expected: bytes | str = f"over {limit}" if len(raw) > limit else raw
+        except web.HTTPRequestEntityTooLarge:
+            expected = str(RequestTooLarge())  # what error_answer makes of it
+        try:
+            got: bytes | str = await read_body(request(), limit)
+        except RequestTooLarge as exc:
+            got = f"over {limit}" if str(exc) == f"request body over {limit} bytes" else str(exc)
+        assert got == expected, (limit, len(b"".join(chunks)))
 
 
 async def test_request_id_is_kept_or_made(gateway: Gateway, api_key: str) -> None:
