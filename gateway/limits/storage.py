@@ -328,30 +328,47 @@ class SlidingCounter(MemoryCounter):
 
     def stats_and_hit(self, now: float, cost: int | None = 1) -> tuple[float, int, bool]:
         """``get_window_stats``, then (unless ``cost`` is None) ``acquire_sliding_window_entry``,
-        on one reading of the two counters."""
+        on one reading of the two counters.
+
+        Each of the library's terms is worked out only where its value is used (a counter
+        at 0 adds none), and a hit's write is :meth:`_incr` written out: a key's two
+        windows are read on every request (bench.opcodes S1, with _incr, 226 -> 194).
+        """
         expiry = self.expiry
-        position = now / expiry
-        previous_position = (now - expiry) / expiry
+        local = self.local
         if self._steady_from <= now <= self._steady_until:
-            # _read's steady case, here: a key's two windows are read on every request.
-            storage = self.local.storage
+            # _read's steady case, here.
+            storage = local.storage
             previous_count, current_count = storage.get(self._previous_key, 0), storage.get(self._current_key, 0)
         else:
             _, _, previous_count, current_count = self._read(now)
-        current_ttl = (1 - (position % 1)) * expiry + expiry
         if previous_count:
-            previous_ttl = (1 - (previous_position % 1)) * expiry
+            previous_ttl = (1 - (((now - expiry) / expiry) % 1)) * expiry
             used = math.floor(previous_count * previous_ttl / expiry + current_count)
             previous_reset_in = previous_ttl % (expiry / previous_count)
-            reset = now + (min(previous_reset_in, current_ttl % expiry) if current_count else previous_reset_in)
-        else:
+            if current_count:
+                current_ttl = (1 - ((now / expiry) % 1)) * expiry + expiry
+                reset = now + min(previous_reset_in, current_ttl % expiry)
+            else:
+                reset = now + previous_reset_in
+        elif current_count:
             used = current_count
-            reset = now + current_ttl % expiry if current_count else now
+            reset = now + ((1 - ((now / expiry) % 1)) * expiry + expiry) % expiry
+        else:
+            used = 0
+            reset = now
         amount = self.amount
         remaining = amount - used if used < amount else 0
         if cost is None or cost > amount or used + cost > amount:
             return reset, remaining, False
-        self._incr(self._current_key, 2 * self.expiry, cost, now, current_count)
+        # _incr, written out.
+        key = self._current_key
+        count = current_count + cost
+        if time.monotonic() >= local._next_sweep:
+            local._sweep_soon()
+        local.storage[key] = count
+        if count == cost:
+            local.expirations[key] = now + 2 * expiry
         return reset, remaining, True
 
     def hit(self, now: float, cost: int = 1) -> bool:
@@ -443,17 +460,25 @@ class SlidingCounter(MemoryCounter):
     def add(self, now: float, amount: int) -> None:
         # An acquire with no bound always takes: it only adds to the current counter
         # (a new one lives two windows), which is all this does.
+        # (a token charge, at the end of every request with a token limit: _incr written
+        # out in the steady span, bench.opcodes S1 add + _incr 68 -> 51).
         expiry = self.expiry
         key = self._current_key
+        local = self.local
         if self._steady_from <= now <= self._steady_until:
-            current = self.local.storage.get(key, 0)  # live (see the class)
-        else:
-            window = int(now / expiry)
-            if window != self._window:
-                self._keys(window, int((now - expiry) / expiry))
-                key = self._current_key
-            current = self._get(key, now)
-        self._incr(key, 2 * expiry, amount, now, current)
+            storage = local.storage
+            count = storage.get(key, 0) + amount  # live (see the class)
+            if time.monotonic() >= local._next_sweep:
+                local._sweep_soon()
+            storage[key] = count
+            if count == amount:
+                local.expirations[key] = now + 2 * expiry
+            return
+        window = int(now / expiry)
+        if window != self._window:
+            self._keys(window, int((now - expiry) / expiry))
+            key = self._current_key
+        self._incr(key, 2 * expiry, amount, now, self._get(key, now))
 
 # --------------------------------------------------------------------------- Redis
 # Concurrency leases: one sorted set per key, member = permit id, score = lease end (ms,
