@@ -216,10 +216,10 @@ class _LoopHistogram:
 
     def observe(self, amount: float) -> None:
         self._sum.value += amount
-        bounds = self._bounds
-        bucket = bisect_left(bounds, amount)
-        if amount <= bounds[bucket]:  # false only for NaN (the last bound is +Inf)
-            self._buckets[bucket].value += 1
+        # The last bound is +Inf: every number but NaN has a bound >= it, and NaN none
+        # (a test of NaN, not of the bound found: 35 -> 29 instructions an observe).
+        if amount == amount:
+            self._buckets[bisect_left(self._bounds, amount)].value += 1
 
 
 #: A route's in-flight gauge value (:meth:`GatewayMetrics.in_flight`): ``inc``, ``dec``.
@@ -765,7 +765,7 @@ def _cache_families(stats: Mapping[str, Any]) -> list[Metric]:
 
 def cost_of(record: CallRecord) -> float:
     """USD of a call: billing's figure when it set one, else the provider's, else 0."""
-    cost = getattr(record, "cost_usd", None)
+    cost = record.cost_usd
     if cost is None:
         cost = record.usage.cost_usd
     return float(cost) if cost else 0.0
