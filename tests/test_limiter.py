@@ -462,6 +462,30 @@ async def guard(handle: LimiterHandle, ip: str, kind: str = "any") -> RateLimite
     return None
 
 
+@pytest.mark.parametrize("storage", ["memory", "redis"])
+async def test_the_guards_answer_at_once_is_check_ips(limiter_factory: Any, storage: str) -> None:
+    # passed_ip_now (the guard's every request) against check_ip on twin limiters: the same
+    # passes and refusals (memory: answered at once; Redis: not, and check_ip then asks).
+    ours = await limiter_factory(storage, per_ip_all="3/minute")
+    theirs = await limiter_factory(storage, per_ip_all="3/minute")
+    off = await limiter_factory(storage, per_ip="off", per_ip_all="off")
+    assert off.handle.passed_ip_now("10.0.0.1")
+    for ip in ["10.0.0.1"] * 8 + ["10.0.0.2"] * 2:
+        answered, got = True, None
+        try:
+            if not ours.handle.passed_ip_now(ip):
+                answered = False
+                await ours.handle.check_ip(ip)
+        except RateLimited as exc:
+            got = exc
+        assert answered == (storage == "memory")
+        expected = await guard(theirs.handle, ip)
+        assert (got is None) == (expected is None), ip
+        if got is not None and expected is not None:
+            assert got.message == expected.message
+    assert ours.actor.rejections == theirs.actor.rejections
+
+
 async def test_memory_storage_sweeps_at_most_once_a_second() -> None:
     storage = LocalStorage()
     windows = Windows("memory", storage, "fixed-window")
