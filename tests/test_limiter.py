@@ -496,6 +496,35 @@ async def test_memory_storage_sweeps_at_most_once_a_second() -> None:
     assert len(storage.storage) == 200
 
 
+async def test_sliding_counters_schedule_the_sweep_from_the_reading_that_starts_a_period(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A sliding window's writes in its steady span skip the sweep's check: the reading
+    # that began the span (a new counter, a new period) scheduled it. Counters of past
+    # periods are still swept once they expire, and a steady write starts no sweep.
+    clock = [1_000_000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+    storage = LocalStorage()
+    windows = Windows("memory", storage, "sliding-window")
+    item = RateLimitItemPerSecond(1000, 1)
+    for period in range(6):
+        clock[0] = 1_000_000.0 + period
+        storage._next_sweep = 0.0  # as if the last sweep were over a second ago
+        assert windows.hit_now(item, "ip", "a", now=clock[0])  # the period's first reading
+        assert storage.timer is not None and not storage.timer.done()
+        await storage.timer
+        storage._next_sweep = 0.0  # a sweep allowed again, but steady writes do not ask
+        timer = storage.timer
+        for _ in range(5):
+            assert windows.hit_now(item, "ip", "a", now=clock[0] + 0.5)
+            windows.add_now(item, "ip", "a", amount=1, now=clock[0] + 0.5)
+            windows.stats_and_hit_now(item, "ip", "a", now=clock[0] + 0.5)
+        assert storage.timer is timer
+    # Counters live two periods: the sweep of the last period left only its and the previous.
+    key = item.key_for("ip", "a")
+    assert sorted(storage.storage) == [f"{key}/{1_000_000 + p}" for p in (4, 5)]
+
+
 @pytest.mark.parametrize("strategy", ["sliding-window", "fixed-window"])
 async def test_memory_windows_decide_exactly_as_the_library_does(strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # LocalStorage decides memory windows with synchronous twins of the library's
