@@ -158,15 +158,15 @@ async def _edge_handler(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     key = await state.auth.authenticate(bearer_token(request))
     telemetry.key_known(request, key.api_key_id)
-    permit = await ratelimit.admit(request, key)
+    permit = await ratelimit.admit(request, key, state.limiter)
     await read_json_body(request, state.settings.body_limit)
     record = _record(request_id_of(request), key)
     permit.track(record)
-    observed = telemetry.begin_call(request, record, {})
+    observed = telemetry.begin_call(request, state, record, {})
     record.latency = 0.001
     for listener in state.call_listeners:
         listener(record)
-    telemetry.end_call(request, observed, record)
+    telemetry.end_call(state, observed, record)
     return web.Response(status=200, body=ANSWER, headers={"Content-Type": "application/json"})
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -235,7 +236,7 @@ def build_data_app(state: GatewayState) -> web.Application:
     app.router.add_get("/openapi.json", openapi.document_handler(openapi.data_plane_document()))
     app.router.add_get("/healthz", dataplane.healthz)
     app.router.add_get("/readyz", dataplane.readyz)
-    app.router.add_post("/v1/chat/completions", chat.chat_completions)
+    app.router.add_post("/v1/chat/completions", functools.partial(chat.chat_completions, state=state))
     app.router.add_post("/v1/completions", completions.completions)
     responses.install(app, state)
     app.router.add_post("/v1/messages", messages.messages)

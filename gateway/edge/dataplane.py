@@ -73,7 +73,7 @@ async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     key = await state.auth.authenticate(bearer_token(request))
     telemetry.key_known(request, key.api_key_id)
-    await admit(request, key)
+    await admit(request, key, state.limiter)
     created = int(time.time())
     data = [
         {"id": name, "object": "model", "created": created, "owned_by": "llm-gateway"}
@@ -89,7 +89,7 @@ async def embeddings(request: web.Request) -> web.Response:
     state = request.app[STATE]
     key = await state.auth.authenticate(bearer_token(request))
     telemetry.key_known(request, key.api_key_id)
-    permit = await admit(request, key)
+    permit = await admit(request, key, state.limiter)
     body = await read_json_body(request, state.settings.body_limit)
     model = body.get("model")
     if not isinstance(model, str) or not model:

@@ -81,7 +81,7 @@ def front_middleware(
 
     @web.middleware
     async def front(request: web.Request, handler: Handler) -> web.StreamResponse:
-        arrival = telemetry.arrived(request)
+        arrival = telemetry.arrived(request, state.metrics)
         status = 500
         try:
             preflight = cors.preflight_of(request)

@@ -245,7 +245,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = request.app[STATE]
     key = await state.auth.authenticate(bearer_token(request))
     telemetry.key_known(request, key.api_key_id)
-    await admit(request, key)
+    await admit(request, key, state.limiter)
     body = await read_json_body(request, state.settings.body_limit)
     model, _ = _check_messages(body)
     route = state.router.resolve(model, key.policy.allowed_models)

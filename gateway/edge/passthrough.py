@@ -90,7 +90,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     key = await state.auth.authenticate(bearer_token(request))
     telemetry.key_known(request, key.api_key_id)
-    permit = await admit(request, key)
+    permit = await admit(request, key, state.limiter)
     name, _, region = request.match_info["provider"].partition("@")
     allowed = key.policy.allowed_models
     if allowed is not None and not any(fnmatch.fnmatchcase(f"passthrough/{name}", p) for p in allowed):

@@ -292,7 +292,7 @@ async def _caller(request: web.Request) -> tuple[GatewayState, VerifiedKey, Resp
     state = request.app[STATE]
     key = await state.auth.authenticate(bearer_token(request))
     telemetry.key_known(request, key.api_key_id)
-    await admit(request, key)
+    await admit(request, key, state.limiter)
     return state, key, request.app[RESPONSE_STORE]
 
 

@@ -80,15 +80,16 @@ def route_label(request: web.Request) -> str:
 Arrival = tuple[float, str, str, contextvars.Token[str | None], InFlight, GatewayMetrics]
 
 
-def arrived(request: web.Request) -> Arrival:
-    """A request arrived (the front's first step): timed, counted in flight, its request
-    id bound for log lines. :func:`answered` must follow, on every path."""
+def arrived(request: web.Request, metrics: GatewayMetrics) -> Arrival:
+    """A request arrived (the front's first step): timed, counted in flight in ``metrics``
+    (its plane's state's: the front holds it, where ``request.app[STATE]`` costs ~25
+    instructions), its request id bound for log lines. :func:`answered` must follow, on
+    every path."""
     received = time.monotonic()
     request_id = first_request_id(request)  # before anything is stored in it
     token = logs.bind_request_id(request_id)
     request[RECEIVED_AT] = received
     route = route_label(request)
-    metrics = request.app[STATE].metrics
     in_flight = metrics.in_flight(route)
     in_flight.value += 1
     return received, route, request_id, token, in_flight, metrics
@@ -155,17 +156,19 @@ def key_known(request: web.Request, api_key_id: uuid.UUID) -> None:
 
 
 # -- the chat call --------------------------------------------------------------------------
-def begin_call(request: web.Request, record: CallRecord, body: Mapping[str, Any]) -> ChatSpan | None:
+def begin_call(
+    request: web.Request, state: GatewayState, record: CallRecord, body: Mapping[str, Any]
+) -> ChatSpan | None:
     """Start observing a chat call: its span (if tracing), trace headers, access record."""
     request[CALL_RECORD] = record
     record.received_at = request.get(RECEIVED_AT)
-    return request.app[STATE].tracing.start_chat(record, body, request.headers)
+    return state.tracing.start_chat(record, body, request.headers)
 
 
-def end_call(request: web.Request, scope: ChatSpan | None, record: CallRecord) -> None:
+def end_call(state: GatewayState, scope: ChatSpan | None, record: CallRecord) -> None:
     """End the call's span; run after the call listeners (billing may set the cost)."""
     if scope is not None:
-        request.app[STATE].tracing.end_chat(scope, record, cost_of(record))
+        state.tracing.end_chat(scope, record, cost_of(record))
 
 
 def retried(state: GatewayState, provider: str, attempt: int, reason: str) -> None:
