@@ -11,6 +11,7 @@ ledger read them back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -24,6 +25,7 @@ import asyncpg
 import orjson
 from asyncpg.pgproto.pgproto import UUID as PgUUID
 
+from gateway.billing import ledger
 from gateway.billing.journal import Journal
 from gateway.billing.ledger import (
     _INT16_MAX,
@@ -154,6 +156,51 @@ def test_rows_and_lines_are_the_same_as_before() -> None:
             else:
                 assert (value, type(value)) == (was, type(was)), name
     assert list(orjson.loads(line)) == list(LEDGER_COLUMNS)  # every column, in order
+
+
+def test_a_combination_of_repeated_columns_seen_before_writes_the_same_line() -> None:
+    """Calls whose repeated columns (ids, models, provider, deployment, cost source, status,
+    outcome, retries, failovers, error type, finish reasons, protocol) are those of a call
+    before take them from that call's (``_REPEATED``): their lines are still the reference's
+    byte for byte, equal values of other types (an asyncpg UUID and a stdlib one, a str
+    subclass, a count as a float or a bool) and values of no expected type (a broken
+    provider's served model: a number, a list; an id or an outcome that is a number) included;
+    and the table stays within its bound."""
+    rng = random.Random(11)
+    key = uuid.UUID(int=rng.getrandbits(128))
+
+    def pick(usual: Any, *others: Any) -> Any:
+        return usual if rng.random() < 0.85 else rng.choice(others)
+
+    ledger._REPEATED.clear()
+    hits = 0
+    for record in records(rng, 10000):
+        record.api_key_id, record.subject_id = pick(key, PgUUID(str(key)), None, NIL_UUID, 1, True), pick(None, key)
+        record.requested_model = pick("fast-model", Text("fast-model"), "é" * 300)
+        record.served_model = pick("fast-model", Text("fast-model"), None, "é" * 300, 1, True, 1.0, ["a"], {"x": 1})
+        record.provider, record.deployment = pick("p", Text("p"), None), pick("d", None)
+        record.status = pick(200, 200.0, True, 1, 0, -1, 2**40, _INT16_MAX + 1, 429)
+        record.retries, record.failovers = pick(0, False, 0.0, 1, True), pick(0, 1)
+        record.error_type, record.outcome = pick(None, "E", Text("E"), "e" * 300), pick("ok", "cut", Text("ok"), 1, True)
+        record.finish_reasons = pick(("stop",), (), ("stop", Text("length")), (Text("stop"),), ("x" * 300,), (None,),
+                                     ([],))
+        repeated = (record.api_key_id, record.subject_id, record.requested_model, record.served_model,
+                    record.provider, record.deployment, record.cost_source, record.status, record.outcome,
+                    record.retries, record.failovers, record.error_type, record.finish_reasons, record.protocol)
+        with contextlib.suppress(TypeError):
+            hits += repeated in ledger._REPEATED
+        row = ledger_row(record)
+        expected = reference_event(record)
+        assert ledger_line(row) == reference_line(expected)
+        for name in ("served_model", "provider", "deployment", "status", "retries", "failovers", "error_type",
+                     "finish_reason"):
+            was = getattr(expected, name)
+            assert (row[name], type(row[name])) == (was, type(was)), name
+    assert hits > 500
+    ledger._REPEATED.clear()
+    for n in range(ledger.MAX_REPEATED + 5):  # clients choose model names: the table is cleared when full
+        ledger_row(CallRecord(request_id="r", api_key_id=None, subject_id=None, requested_model=f"m{n}"))
+    assert 0 < len(ledger._REPEATED) <= ledger.MAX_REPEATED
 
 
 def test_a_line_reads_back_as_the_journal_and_the_ledger_read_it(tmp_path: Path) -> None:
