@@ -183,10 +183,10 @@ def test_a_combination_of_repeated_columns_seen_before_writes_the_same_line() ->
         record.retries, record.failovers = pick(0, False, 0.0, 1, True), pick(0, 1)
         record.error_type, record.outcome = pick(None, "E", Text("E"), "e" * 300), pick("ok", "cut", Text("ok"), 1, True)
         record.finish_reasons = pick(("stop",), (), ("stop", Text("length")), (Text("stop"),), ("x" * 300,), (None,),
-                                     ([],))
+                                     ([],), ("length",) * 6 + ("stop",), ["stop"])
         repeated = (record.api_key_id, record.subject_id, record.requested_model, record.served_model,
                     record.provider, record.deployment, record.cost_source, record.status, record.outcome,
-                    record.retries, record.failovers, record.error_type, record.finish_reasons, record.protocol)
+                    record.retries, record.failovers, record.error_type, record.finish_reasons[-1:], record.protocol)
         with contextlib.suppress(TypeError):
             hits += repeated in ledger._REPEATED
         row = ledger_row(record)

@@ -76,7 +76,7 @@ def ledger_row(call: CallRecord) -> dict[str, object]:
     usage = call.usage
     repeated = (call.api_key_id, call.subject_id, call.requested_model, call.served_model, call.provider,
                 call.deployment, call.cost_source, call.status, call.outcome, call.retries, call.failovers,
-                call.error_type, call.finish_reasons, call.protocol)
+                call.error_type, call.finish_reasons[-1:], call.protocol)
     try:
         row = _REPEATED[repeated].copy()
     except (KeyError, TypeError):  # a new combination, or an unhashable value (a broken provider's)
@@ -168,13 +168,13 @@ class UsageEvent:
 
 #: What :func:`ledger_row` reads of a call for the columns that repeat from call to call:
 #: the ids, the requested and served models, provider, deployment, the cost's source, the
-#: status, outcome, retries, failovers, error type, finish reasons and protocol (the key of
-#: :data:`_REPEATED`).
+#: status, outcome, retries, failovers, error type, last finish reason (as a tuple of it,
+#: or none) and protocol (the key of :data:`_REPEATED`).
 _Repeated = tuple[Any, ...]
 #: Combinations of those, each with its columns filled in a copy of :data:`_ROW`
 #: (:func:`_repeated_columns`): the same for a key's calls to one deployment that end
 #: alike. Cleared when :data:`MAX_REPEATED` (clients choose model names). A row checking
-#: them at every call took 348 bytecode instructions; 180 with the combination looked up.
+#: them at every call took 348 bytecode instructions; 184 with the combination looked up.
 _REPEATED: dict[_Repeated, dict[str, object]] = {}
 MAX_REPEATED = 512
 
@@ -183,7 +183,7 @@ def _repeated_columns(repeated: _Repeated) -> dict[str, object]:
     """The columns that ``repeated`` gives, checked (a copy of :data:`_ROW` with them set);
     remembered in :data:`_REPEATED` when each value is of the type it is meant to be: a
     UUID or None, a string or None (each at most its column's width), a count in range, a
-    tuple of such strings. Any combination equal to such a one (``==``, as the table finds
+    tuple of such a string or none. Any combination equal to such a one (``==``, as the table finds
     it) then writes the same text: nothing else equals a UUID, None or a string (a str
     subclass slices to the same text), and a number equal to a count in range is clamped
     to that count; whereas a float or a bool kept as it is would not write as the int it
@@ -213,7 +213,7 @@ def _repeated_columns(repeated: _Repeated) -> dict[str, object]:
             and all(value is None or (type(value) is str and len(value) <= 256)
                     for value in (served_model, provider, deployment, error_type))
             and all(type(value) is int and 0 <= value <= _INT16_MAX for value in (status, retries, failovers))
-            and type(finish_reasons) is tuple and len(finish_reasons) <= 4
+            and type(finish_reasons) is tuple
             and all(type(value) is str and len(value) <= 256 for value in finish_reasons)):
         if len(_REPEATED) >= MAX_REPEATED:
             _REPEATED.clear()
