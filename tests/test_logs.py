@@ -585,3 +585,67 @@ def test_the_billing_line_through_the_standard_path_has_every_field_in_order() -
         ("prompt_tokens", 3), ("completion_tokens", 4), ("cost_usd", 1e-05), ("cost_diem", 0.25),
         ("cost_source", "price"), ("status", 200),
     ]
+
+
+def test_a_batch_of_line_parts_is_written_as_each_line_made_and_redacted_alone() -> None:
+    # hand_off_fields hands the writer a line's parts; the writer makes a batch's lines
+    # and redacts them with one scan of the batch (Redactor.keeps_json_lines), each line
+    # alone only when that finds something. The text must be JsonFormatter.ordered_line's,
+    # line by line, in order with the records and ready lines around them.
+    import random
+
+    from gateway.observability.logs import _write_batch
+
+    rng = random.Random(29)
+    secrets = ["sk-live-provider-key-0001", "llmg_operator_token_0000000000", "plain-admin-secret", 'quo"ted-secret']
+    clean = ["abc", "0123", "-", "_", "/v1/chat", "é", "\u2003", "\\", '"', "x-y_z", "Bear", "er"]
+    risky = ["sk-", "llmg_", "Bearer ", "bEaReR\t", " ", "abcdefghijkl0123", "sk-abcdefghij", *secrets]
+    redactor = Redactor(secrets)
+    formatter = JsonFormatter(redactor)
+    for _ in range(400):
+        pieces = clean if rng.random() < 0.5 else clean + risky
+        records: list[Any] = []
+        expected: list[str] = []
+        for _ in range(rng.randrange(1, 12)):
+            created = 1_700_000_000 + rng.random() * 3
+            if rng.random() < 0.8:
+                fields: dict[str, Any] = {
+                    "k" + str(i): rng.choice([None, 3, 1.5, uuid.UUID(int=i), Decimal("0.25"),
+                                              "".join(rng.choice(pieces) for _ in range(rng.randrange(4)))])
+                    for i in range(rng.randrange(4))
+                }
+                name, msg = rng.choice([("gateway.access", "access"), ("gateway.billing", "billing"),
+                                        ("gateway.x", "".join(rng.choice(pieces) for _ in range(2)))])
+                records.append((name, msg, fields, created))
+                expected.append(formatter.ordered_line(name, msg, fields, created))
+            elif rng.random() < 0.5:
+                record = logging.makeLogRecord({"name": "gateway.other", "msg": rng.choice(pieces) + " said",
+                                                "levelno": logging.WARNING, "levelname": "WARNING", "created": created})
+                records.append(record)
+                expected.append(formatter.format(record))
+            else:
+                ready = formatter.ordered_line("gateway.ready", "ready", {"n": rng.choice(pieces)}, created)
+                records.append(ready)
+                expected.append(ready)
+        out = io.StringIO()
+        handler = logging.StreamHandler(out)
+        handler.setFormatter(formatter)
+        _write_batch(handler, records)
+        assert out.getvalue().splitlines() == expected
+
+
+def test_a_line_whose_parts_cannot_be_encoded_is_reported_and_the_rest_of_its_batch_written(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from gateway.observability.logs import _write_batch
+
+    formatter = JsonFormatter(Redactor(["plain-admin-secret"]))
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(formatter)
+    good = ("gateway.access", "access", {"n": 1, "note": "plain-admin-secret"}, 1_700_000_000.5)
+    unencodable: dict[Any, Any] = {1: "not a str key"}
+    _write_batch(handler, [good, ("gateway.access", "access", unencodable, 1_700_000_000.6), "ready", good])
+    line = formatter.ordered_line(*good)
+    assert out.getvalue() == f"{line}\nready\n{line}\n" and "[REDACTED]" in line
+    assert "Logging error" in capsys.readouterr().err
