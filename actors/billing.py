@@ -64,7 +64,7 @@ from gateway.billing.reservations import (
 from gateway.billing.shipping import JournalShipper, fixed_batches
 from gateway.core.config import Price
 from gateway.core.usage import CallRecord
-from gateway.observability.logs import current_request_id, hand_off_fields, lines_made_here, log_fields
+from gateway.observability.logs import current_request_id, hand_off_fields, log_fields
 
 if TYPE_CHECKING:
     from actors.auth import VerifiedKey
@@ -407,25 +407,25 @@ def _log_billing(row: Mapping[str, Any]) -> None:
     request id, cost, as structured fields (one JSON object per line with
     ``LOG_FORMAT=json``, see gateway/observability/logs.py).
 
-    When the line is made on the loop (:func:`lines_made_here`), its fields are one dict
-    literal in the line's order with a request id bound (every request's line: that key
-    first, where the line puts it), put in the unbound order otherwise; and the ids go as
-    they are: orjson writes a UUID as ``str()`` does, without ``UUID.__str__``'s Python
-    (0.55 µs an id). The same bytes; anything else sees the fields as they always were.
+    When the line is made by the gateway's writer (:func:`hand_off_fields` takes it), its
+    fields are one dict literal in the line's order with a request id bound (every
+    request's line: that key first, where the line puts it), put in the unbound order
+    otherwise; and the ids go as they are: orjson writes a UUID as ``str()`` does, without
+    ``UUID.__str__``'s Python (0.55 µs an id). The same bytes; anything else sees the
+    fields as they always were.
     """
-    if lines_made_here(log):
-        fields = {
-            "request_id": row["request_id"], "api_key_id": row["api_key_id"], "subject_id": row["subject_id"],
-            "response_id": row["response_id"], "model": row["requested_model"], "served_model": row["served_model"],
-            "provider": row["provider"], "prompt_tokens": row["prompt_tokens"],
-            "completion_tokens": row["completion_tokens"], "cost_usd": row["cost_usd"], "cost_diem": row["cost_diem"],
-            "cost_source": row["cost_source"], "status": row["status"],
-        }
-        if current_request_id() is None:
-            unbound = _BILLING_UNBOUND.copy()
-            unbound.update(fields)
-            fields = unbound
-        hand_off_fields(log, "billing", fields)
+    fields = {
+        "request_id": row["request_id"], "api_key_id": row["api_key_id"], "subject_id": row["subject_id"],
+        "response_id": row["response_id"], "model": row["requested_model"], "served_model": row["served_model"],
+        "provider": row["provider"], "prompt_tokens": row["prompt_tokens"],
+        "completion_tokens": row["completion_tokens"], "cost_usd": row["cost_usd"], "cost_diem": row["cost_diem"],
+        "cost_source": row["cost_source"], "status": row["status"],
+    }
+    if current_request_id() is None:
+        unbound = _BILLING_UNBOUND.copy()
+        unbound.update(fields)
+        fields = unbound
+    if hand_off_fields(log, "billing", fields):
         return
     payload = {field: row[column] for field, column in _BILLING_FIELDS}
     payload["api_key_id"], payload["subject_id"] = str(row["api_key_id"]), str(row["subject_id"])

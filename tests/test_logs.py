@@ -513,9 +513,9 @@ async def test_the_access_line_is_the_line_of_its_fields_byte_for_byte(monkeypat
     handed: list[dict[str, Any]] = []
     real = logs.hand_off_fields
 
-    def spy(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> None:
+    def spy(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> bool:
         handed.append(dict(fields))
-        real(logger, msg, fields)
+        return real(logger, msg, fields)
 
     monkeypatch.setattr(logs, "hand_off_fields", spy)
     access = logging.getLogger(ACCESS_LOGGER)

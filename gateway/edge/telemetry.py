@@ -143,10 +143,9 @@ def _access_line(request: web.Request, request_id: str, route: str, status: int,
         fields["retries"] = record.retries
         fields["failovers"] = record.failovers
         fields["error"] = record.error_type
-    if logs.lines_made_here(access_log):
-        # As the line has them (request_id first, none of the head's keys): handed over as they are.
-        logs.hand_off_fields(access_log, "access", fields)
-    else:
+    # As the line has them (request_id first, none of the head's keys): handed over as they
+    # are where the line is made by the gateway's writer, else logged the standard way.
+    if not logs.hand_off_fields(access_log, "access", fields):
         logs.log_fields(access_log, "access", fields)
 
 

@@ -293,6 +293,13 @@ class TextFormatter(logging.Formatter):
         return self.redactor(text)
 
 
+_thread_id = threading.get_ident
+
+
+def _never() -> bool:
+    return False
+
+
 class _HandOff(logging.handlers.QueueHandler):
     """Queues records for the writer thread, with what only the loop's task knows.
 
@@ -306,8 +313,9 @@ class _HandOff(logging.handlers.QueueHandler):
         #: Records, lines :func:`log_fields` made ready (str) and the parts of lines
         #: :func:`hand_off_fields` handed over (tuples), in the order logged.
         self._batch: list[logging.LogRecord | str | _LineParts] = []
-        #: The loop the batch was begun on, and its thread (see :meth:`enqueue`).
-        self._batch_loop: asyncio.AbstractEventLoop | None = None
+        #: Whether the loop the batch was begun on runs (its ``is_running``), and that loop's
+        #: thread (see :meth:`enqueue`).
+        self._batch_loop_runs: Callable[[], bool] = _never
         self._batch_thread = 0
 
     def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
@@ -333,8 +341,7 @@ class _HandOff(logging.handlers.QueueHandler):
         asking for the running loop (~0.15 µs under uvloop, twice a request).
         """
         batch = self._batch
-        if batch and self._batch_thread == threading.get_ident() and self._batch_loop is not None \
-                and self._batch_loop.is_running():
+        if batch and self._batch_thread == _thread_id() and self._batch_loop_runs():
             batch.append(record)
             if len(batch) >= MAX_BATCH:
                 self.flush_batch()
@@ -346,13 +353,13 @@ class _HandOff(logging.handlers.QueueHandler):
             # the batch goes first, so the lines stay in order. Another thread (an
             # exporter's, a worker's) never touches the batch: swapping it out there could
             # land between the loop's read of the list and its append, and lose that line.
-            if self._batch_thread == threading.get_ident():
+            if self._batch_thread == _thread_id():
                 self.flush_batch()
             self.queue.put_nowait(record)
             return
         self._batch.append(record)
         if len(self._batch) == 1:
-            self._batch_loop, self._batch_thread = loop, threading.get_ident()
+            self._batch_loop_runs, self._batch_thread = loop.is_running, _thread_id()
             loop.call_later(BATCH_SECONDS, self.flush_batch)
         elif len(self._batch) >= MAX_BATCH:
             self.flush_batch()
@@ -395,17 +402,19 @@ def log_fields(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> None
 
 def lines_made_here(logger: logging.Logger) -> bool:
     """Whether :func:`log_fields` would make ``logger``'s INFO lines itself (its fast path,
-    level aside): a caller may then build its fields the cheap way (values orjson writes
-    as the standard path writes their ``str()``, e.g. a UUID; in the line's order) and
-    hand them to :func:`hand_off_fields`."""
+    level aside): what :func:`hand_off_fields` asks first."""
     handoff = _installed
     return handoff is not None and _installed_json is not None and _reaches_only(logger, handoff)
 
 
-def hand_off_fields(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> None:
-    """:func:`log_fields`' fast path itself, only when :func:`lines_made_here` said so, for
+def hand_off_fields(logger: logging.Logger, msg: str, fields: dict[str, Any]) -> bool:
+    """:func:`log_fields`' fast path itself if :func:`lines_made_here` (level aside), for
     fields as the line has them (:meth:`JsonFormatter.ordered_line`: none of the head's
-    keys, ``request_id`` first if a request id is bound); the line of ``log_fields``.
+    keys, ``request_id`` first if a request id is bound): True once the line is handed
+    over. False, nothing done: the caller logs its fields the standard way
+    (:func:`log_fields`). A caller may build the fields the cheap way for this (values
+    orjson writes as the standard path writes their ``str()``, e.g. a UUID; in the line's
+    order). One call for both (the question was a call of its own, ~10 instructions).
 
     The line is made by the writer thread, from its parts handed over in the batch as they
     are: ``fields`` is the caller's no longer (built for this call, of immutable values).
@@ -415,8 +424,10 @@ def hand_off_fields(logger: logging.Logger, msg: str, fields: dict[str, Any]) ->
     loop, and ~0.2 µs a line (of ~3.4) fewer for the process, loop and writer together.
     """
     handoff = _installed
-    assert handoff is not None
+    if handoff is None or _installed_json is None or not _reaches_only(logger, handoff):
+        return False
     handoff.enqueue((logger.name, msg, fields, time.time()))
+    return True
 
 
 def _reaches_only(logger: logging.Logger, handoff: _HandOff) -> bool:
