@@ -649,3 +649,19 @@ def test_a_line_whose_parts_cannot_be_encoded_is_reported_and_the_rest_of_its_ba
     line = formatter.ordered_line(*good)
     assert out.getvalue() == f"{line}\nready\n{line}\n" and "[REDACTED]" in line
     assert "Logging error" in capsys.readouterr().err
+
+
+def test_line_parts_handed_over_off_any_loop_are_written_at_once_in_order_with_records() -> None:
+    # Off an event loop (no batch), hand_off_fields' parts go to the writer by themselves,
+    # between the records logged before and after them, and a stop writes them all.
+    from gateway.observability.logs import hand_off_fields
+
+    logger = logging.getLogger("gateway.test.parts")
+    with json_logs() as (out, setup):
+        logger.info("before")
+        assert hand_off_fields(logger, "parts", {"n": 1})
+        logger.info("after")
+        assert hand_off_fields(logger, "parts", {"n": 2})
+        setup.stop()
+        lines = [orjson.loads(x) for x in out.getvalue().splitlines()]
+    assert [(line["msg"], line.get("n")) for line in lines] == [("before", None), ("parts", 1), ("after", None), ("parts", 2)]
