@@ -665,3 +665,26 @@ def test_line_parts_handed_over_off_any_loop_are_written_at_once_in_order_with_r
         setup.stop()
         lines = [orjson.loads(x) for x in out.getvalue().splitlines()]
     assert [(line["msg"], line.get("n")) for line in lines] == [("before", None), ("parts", 1), ("after", None), ("parts", 2)]
+
+
+def test_a_full_batch_of_line_parts_is_handed_over_at_once_and_every_line_written_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import asyncio
+
+    from gateway.observability import logs
+
+    monkeypatch.setattr(logs, "MAX_BATCH", 3)
+    logger = logging.getLogger("gateway.test.full")
+
+    async def on_a_loop() -> int:
+        for n in range(7):
+            assert logs.hand_off_fields(logger, "parts", {"n": n})
+        assert logs._installed is not None
+        return len(logs._installed._batch)
+
+    with json_logs() as (out, setup):
+        assert asyncio.run(on_a_loop()) == 1  # two full batches went, the seventh line waits
+        setup.stop()
+        lines = [orjson.loads(x) for x in out.getvalue().splitlines()]
+    assert [line["n"] for line in lines] == list(range(7))
