@@ -422,8 +422,9 @@ def hand_off_fields(logger: logging.Logger, msg: str, fields: dict[str, Any]) ->
     are: ``fields`` is the caller's no longer (built for this call, of immutable values).
     The writer makes a batch's lines in one loop, without the calls a line took here
     (``ordered_line``, ``_iso``, ``json_line``), and redacts them with one scan of the
-    batch's text (:meth:`Redactor.keeps_json_lines`): ~115 instructions a line fewer on the
-    loop, and ~0.2 µs a line (of ~3.4) fewer for the process, loop and writer together.
+    batch's text (:meth:`Redactor.keeps_json_lines`). Measured with valgrind (machine
+    instructions a line, the access and billing lines, batches of 40): loop and writer
+    together 33,000 -> 29,200; the loop's share 31,000 -> 9,500.
     """
     handoff = _json_handoff
     if handoff is None or not _reaches_only(logger, handoff):
