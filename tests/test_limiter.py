@@ -601,13 +601,16 @@ async def test_memory_counters_match_the_library_on_random_walks(strategy: str, 
                     hit = await windows.hit(item, *ids, cost=max(amount, 1))
                     answers.append((round(stats.reset_time, 6), stats.remaining, hit))
             assert answers[0] == answers[1], (seed, step, op, amount)
-        ours_storage: Any = ours.storage
-        reference_storage: Any = reference.storage
-        ours_counts = {k: v for k, v in ours_storage.storage.items() if v}
-        assert ours_counts == {k: v for k, v in reference_storage.storage.items() if v}, seed
-        assert {k: ours_storage.expirations[k] for k in ours_counts} == {
-            k: reference_storage.expirations[k] for k in ours_counts
-        }, seed
+        _assert_same_counters(ours.storage, reference.storage, seed)
+
+
+def _assert_same_counters(ours: Any, reference: Any, seed: int) -> None:
+    """Two memory storages hold the same live counters, each with the same expiry."""
+    ours_counts = {k: v for k, v in ours.storage.items() if v}
+    assert ours_counts == {k: v for k, v in reference.storage.items() if v}, seed
+    assert {k: ours.expirations[k] for k in ours_counts} == {
+        k: reference.expirations[k] for k in ours_counts
+    }, seed
 
 
 async def test_sliding_hits_answered_from_the_last_reading_match_the_library(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -676,12 +679,7 @@ async def test_sliding_hits_answered_from_the_last_reading_match_the_library(mon
                     stats = await windows.stats(item, "ip", "a")
                     answers.append((round(stats.reset_time, 6), stats.remaining))
             assert answers[0] == answers[1], (seed, step, op, cost)
-        reference_storage: Any = reference.storage
-        ours_counts = {k: v for k, v in local.storage.items() if v}
-        assert ours_counts == {k: v for k, v in reference_storage.storage.items() if v}, seed
-        assert {k: local.expirations[k] for k in ours_counts} == {
-            k: reference_storage.expirations[k] for k in ours_counts
-        }, seed
+        _assert_same_counters(local, reference.storage, seed)
     assert fast_answers > 500  # hits answered from a remembered reading were among them
 
 
