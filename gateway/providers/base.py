@@ -90,13 +90,20 @@ class UpstreamBodyTooLarge(UpstreamProtocolError):
     """A whole answer grew past the provider's ``max_response_bytes``."""
 
 
+#: The transport failures a provider call can meet: :func:`_translated` has a ProviderError
+#: for each of them, and for nothing else.
+TRANSPORT_FAILURES = (aiohttp.ClientError, ConnectionError, TimeoutError, EventTooLarge)
+
+
 def _translated(exc: BaseException) -> ProviderError | None:
-    """The ProviderError for an aiohttp/asyncio failure, most specific first; else None.
+    """The ProviderError for one of :data:`TRANSPORT_FAILURES`, most specific first; else None.
 
     Messages are fixed phrases: aiohttp's own text names hosts, addresses and URLs of
     the upstream, which must not reach a client. The original stays the ``__cause__``,
     for the log line and the span.
     """
+    if not isinstance(exc, TRANSPORT_FAILURES):
+        return None
     if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ClientConnectorDNSError):
         return UpstreamConnectError("could not connect to the provider")
     if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
@@ -105,13 +112,7 @@ def _translated(exc: BaseException) -> ProviderError | None:
         return UpstreamProtocolError(f"upstream stream broken: {exc}")
     if isinstance(exc, aiohttp.ClientPayloadError):
         return UpstreamProtocolError("upstream body broken")
-    if isinstance(exc, aiohttp.ClientError | ConnectionError):
-        return UpstreamProtocolError("upstream connection failed")
-    return None
-
-
-#: Every failure :func:`_translated` has a ProviderError for, and nothing else.
-TRANSPORT_FAILURES = (aiohttp.ClientError, ConnectionError, TimeoutError, EventTooLarge)
+    return UpstreamProtocolError("upstream connection failed")  # any other ClientError or ConnectionError
 
 
 def transport_error(exc: BaseException) -> ProviderError:
