@@ -28,11 +28,11 @@ from typing import cast
 
 from gateway.billing.leases import BudgetLeases
 from gateway.billing.reservations import (
-    _DECIMAL_EXACT_BELOW,
     Budget,
     Reservation,
     ReservationStore,
     budgets_of,
+    exact_micro_numerator,
     is_finite_price,
     worst_case_micro_usd,
 )
@@ -108,12 +108,12 @@ class BudgetGate:
         amount = -1
         if rates is not None and prompt_bound >= 0 and output_cap >= 0:
             amount = 0
-            for per_input, per_output, divisor in rates:  # cost_micro_usd's integer route, inline
-                numerator = prompt_bound * per_input + output_cap * per_output
-                if type(numerator) is not int or numerator >= _DECIMAL_EXACT_BELOW:
+            for rate in rates:  # cost_micro_usd's integer route
+                numerator = exact_micro_numerator(prompt_bound, output_cap, rate)
+                if numerator is None:
                     amount = -1
                     break
-                cost = -(-numerator // divisor)
+                cost = -(-numerator // rate[2])
                 if cost > amount:
                     amount = cost
         if amount < 0:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from decimal import Decimal
 
-from gateway.billing.reservations import _DECIMAL_EXACT_BELOW, _per_token_micro, micro_usd, price_micro
+from gateway.billing.reservations import exact_micro_cost, micro_usd, price_micro
 from gateway.core.config import Price
 from gateway.core.usage import CallRecord, Usage
 
@@ -62,9 +62,7 @@ def settle_cost(record: CallRecord) -> None:
 
     A price table's cost is taken from integers where they are exact (the float the exact
     fraction correctly rounded, as ``float()`` of the Decimal is; the micro-USD its
-    ceiling), else from :func:`exact_cost_from_price`'s Decimal: ``exact_micro_cost``
-    inline, as in ``cost_micro_usd`` (every priced call's; its call and a helper's were
-    ~40 of the ~140 instructions this took)."""
+    ceiling: :func:`exact_micro_cost`), else from :func:`exact_cost_from_price`'s Decimal."""
     usage = record.usage
     provider_cost = usage.cost_usd
     prompt_tokens, completion_tokens = usage.prompt_tokens, usage.completion_tokens
@@ -79,13 +77,9 @@ def settle_cost(record: CallRecord) -> None:
         source = "passthrough" if record.passthrough else "none"
     elif (price := record.price) is not None:
         source = "price"
-        per_token = _per_token_micro(price.input_per_mtok, price.output_per_mtok)
-        numerator = None
-        if per_token is not None:
-            per_input, per_output, divisor = per_token
-            numerator = prompt_tokens * per_input + completion_tokens * per_output
-        if (type(numerator) is int and numerator < _DECIMAL_EXACT_BELOW
-                and prompt_tokens >= 0 and completion_tokens >= 0):
+        fraction = exact_micro_cost(prompt_tokens, completion_tokens, price)
+        if fraction is not None:
+            numerator, divisor = fraction
             cost_usd, cost_micro = numerator / (divisor * 1_000_000), -(-numerator // divisor)
         else:
             cost = exact_cost_from_price(usage, price)

@@ -56,6 +56,7 @@ __all__ = [
     "ReservationStore",
     "connect_reservation_pool",
     "exact_micro_cost",
+    "exact_micro_numerator",
     "exact_rates",
     "keep_session",
     "micro_usd",
@@ -154,28 +155,33 @@ def exact_micro_cost(prompt_tokens: int, completion_tokens: int, price: Price) -
     it is exact. None where it might round (28 digits and beyond: token counts no call
     reaches), or for a count or price that is not a plain non-negative number: the caller
     then takes the Decimal route, so the figure is the same either way."""
-    per_token = _per_token_micro(price.input_per_mtok, price.output_per_mtok)
-    if per_token is None:
+    rate = _per_token_micro(price.input_per_mtok, price.output_per_mtok)
+    if rate is None:
         return None
-    per_input, per_output, divisor = per_token
+    numerator = exact_micro_numerator(prompt_tokens, completion_tokens, rate)
+    return None if numerator is None else (numerator, rate[2])
+
+
+def exact_micro_numerator(prompt_tokens: int, completion_tokens: int, rate: tuple[int, int, int]) -> int | None:
+    """:func:`exact_micro_cost`'s numerator at a price's integer ``rate`` (its
+    :func:`exact_rates` entry: per input token, per output token, divisor); None where the
+    Decimal arithmetic might round, or for a count that is not a plain non-negative number.
+    The one home of that rule, for callers that keep a price's rate."""
+    per_input, per_output, _ = rate
     numerator = prompt_tokens * per_input + completion_tokens * per_output
     # Each product and their sum is a Decimal operation rounded to 28 digits; with both counts
     # >= 0 neither product's coefficient exceeds the sum's, so a sum below 10**28 is all exact.
     if type(numerator) is not int or numerator >= _DECIMAL_EXACT_BELOW or prompt_tokens < 0 or completion_tokens < 0:
         return None
-    return numerator, divisor
+    return numerator
 
 
 def cost_micro_usd(prompt_tokens: int, completion_tokens: int, price: Price) -> int:
     """Exact cost of a call at a price table, rounded up to the micro-dollar."""
-    # exact_micro_cost inline (every call's cost, and every budgeted call's worst case).
-    per_token = _per_token_micro(price.input_per_mtok, price.output_per_mtok)
-    if per_token is not None:
-        per_input, per_output, divisor = per_token
-        numerator = prompt_tokens * per_input + completion_tokens * per_output
-        if (type(numerator) is int and numerator < _DECIMAL_EXACT_BELOW
-                and prompt_tokens >= 0 and completion_tokens >= 0):
-            return -(-numerator // divisor)
+    exact = exact_micro_cost(prompt_tokens, completion_tokens, price)
+    if exact is not None:
+        numerator, divisor = exact
+        return -(-numerator // divisor)
     cost = prompt_tokens * price_micro(price.input_per_mtok) + completion_tokens * price_micro(price.output_per_mtok)
     return int(cost.to_integral_value(rounding=ROUND_CEILING))
 
