@@ -268,10 +268,7 @@ class Journal:
             active = self._active = Segment(self.directory / _segment_name(self._next_seq), kept=[])
             self._next_seq += 1
         active.lines += 1
-        if cost_micro_usd > 0:  # Segment.add_spend, inline: every call's
-            key_spend, subject_spend = active.key_spend, active.subject_spend
-            key_spend[api_key_id] = key_spend.get(api_key_id, 0) + cost_micro_usd
-            subject_spend[subject_id] = subject_spend.get(subject_id, 0) + cost_micro_usd
+        active.add_spend(api_key_id, subject_id, cost_micro_usd)
         # The line kept with its segment for shipping, within MAX_KEPT_BYTES. Shipping a
         # segment used to read it back in a worker thread and parse every line again,
         # holding the GIL (and so the event loop) for a few µs per line; the lines are the
