@@ -45,10 +45,23 @@ DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
+#: Ports :func:`free_port` handed out in this process: never handed out twice (the kernel
+#: may give a port back as soon as it is released, and two servers started together then
+#: got the same one).
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now and not handed out before by this process. Something else
+    may still take it before its user binds it (an ephemeral port of an outgoing
+    connection): a server started on it must be ready to try another."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 # ----------------------------------------------------------------------------- PostgreSQL
@@ -357,36 +370,46 @@ async def process_factory(database_url: str, tmp_path: Path) -> AsyncIterator[Ca
         env: Mapping[str, str] | None = None, config_yaml: str | None = None, *, ready: bool = True,
         args: tuple[str, ...] = (),
     ) -> GatewayProcess:
-        port, mport = free_port(), free_port()
-        environ = {
-            **{k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OTEL_"))},
-            "DATABASE_URL": database_url,
-            "BIND_ADDR": f"127.0.0.1:{port}",
-            "MANAGEMENT_BIND_ADDR": f"127.0.0.1:{mport}",
-            "LLM_GATEWAY_HOME": str(tmp_path / "home"),
-            "PYTHONUNBUFFERED": "1",
-            # The source tree under test, installed or not.
-            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-            **(env or {}),
-        }
+        config_path = None
         if config_yaml is not None:
-            path = tmp_path / f"gateway-{uuid.uuid4().hex[:6]}.yaml"
-            path.write_text(config_yaml)
-            environ["GATEWAY_CONFIG"] = str(path)
-        log_path = tmp_path / f"gateway-{port}.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "gateway", "serve", *args],
-                env=environ, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path),
-            )
-        gp = GatewayProcess(proc=proc, port=port, management_port=mport, log_path=log_path, env=environ)
-        procs.append(gp)
-        if ready:
+            config_path = tmp_path / f"gateway-{uuid.uuid4().hex[:6]}.yaml"
+            config_path.write_text(config_yaml)
+        # Our own ports may be taken between free_port() and the gateway's bind: it then
+        # exits saying so, and starts again on others (the caller's own ports are kept).
+        ports_ours = not {"BIND_ADDR", "MANAGEMENT_BIND_ADDR"} & set(env or {})
+        for attempt in range(3):
+            port, mport = free_port(), free_port()
+            environ = {
+                **{k: v for k, v in os.environ.items() if not k.startswith(("GATEWAY_", "OTEL_"))},
+                "DATABASE_URL": database_url,
+                "BIND_ADDR": f"127.0.0.1:{port}",
+                "MANAGEMENT_BIND_ADDR": f"127.0.0.1:{mport}",
+                "LLM_GATEWAY_HOME": str(tmp_path / "home"),
+                "PYTHONUNBUFFERED": "1",
+                # The source tree under test, installed or not.
+                "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+                **(env or {}),
+            }
+            if config_path is not None:
+                environ["GATEWAY_CONFIG"] = str(config_path)
+            log_path = tmp_path / f"gateway-{port}.log"
+            with log_path.open("wb") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "gateway", "serve", *args],
+                    env=environ, stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path),
+                )
+            gp = GatewayProcess(proc=proc, port=port, management_port=mport, log_path=log_path, env=environ)
+            procs.append(gp)
+            if not ready:
+                return gp
             try:
                 await wait_until_ready(gp.url, proc=proc)
             except Exception as exc:
+                if ports_ours and attempt < 2 and proc.poll() is not None and " is in use (set " in gp.log():
+                    continue
                 raise RuntimeError(f"{exc}; log:\n{gp.log()}") from None
-        return gp
+            return gp
+        raise AssertionError("unreachable")
 
     yield start
     for gp in procs:
