@@ -10,7 +10,7 @@ the events before it, and the breaker told of a cut or broken stream only.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import pytest
@@ -391,3 +391,219 @@ async def test_stream_chunks_still_reads_chunks_behind_the_bound() -> None:
     resp.connection.protocol = _Protocol()
     resp.connection.protocol.read_timeout = 30.0
     assert [c async for c in stream_chunks(resp)] == [b"da", b"ta: 1\n\n"]  # type: ignore[arg-type]
+
+
+# -- relay: events pushed from a real aiohttp reader, fed as aiohttp's parser feeds it -------
+
+
+class _ParserSide:
+    """A reader's protocol as aiohttp's reader sees it: paused and resumed by its flow control."""
+
+    connected = True
+
+    def __init__(self) -> None:
+        self.paused = False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        self.paused = False
+
+
+class _LiveResponse:
+    """A streamed response whose body is aiohttp's own StreamReader, fed by the test."""
+
+    closed = False
+
+    def __init__(self, read_timeout: float | None = None) -> None:
+        self.protocol = _ParserSide()
+        # A small limit: a few hundred events are past its flow control's high-water mark.
+        self.content = aiohttp.StreamReader(self.protocol, 2**10, loop=asyncio.get_running_loop())  # type: ignore[arg-type]
+        self.connection = _Connection()
+        self.connection.protocol = _Protocol()
+        self.connection.protocol.read_timeout = read_timeout
+        self.released: list[int] = []
+        self.content.on_eof(lambda: self.released.append(1))  # as ClientResponse gives its connection back
+
+    def feed(self, *chunks: bytes) -> None:
+        """What aiohttp's parser does with a chunked body's chunks (one network read)."""
+        for chunk in chunks:
+            self.content.begin_http_chunk_receiving()
+            self.content.feed_data(chunk)
+            self.content.end_http_chunk_receiving()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+async def _pushed_run(
+    reads: list[list[bytes]], *, drains: frozenset[int] = frozenset(), translate: Callable[[bytes], list[bytes]] | None = None,
+) -> tuple[list[bytes], BaseException | None, int]:
+    """``EventStream.relay`` over ``reads`` (each a network read of one or more chunks,
+    the relay running between two): the events given, the error, how many were given
+    inside the parser's feed (pushed, not read). The events whose index is in ``drains``
+    ask the relay to wait (a write's drain) before the next."""
+    resp = _LiveResponse()
+    stream = EventStream(resp, translate)  # type: ignore[arg-type]
+    got: list[bytes] = []
+    feeding = False
+    pushed = 0
+
+    async def drain() -> None:
+        await asyncio.sleep(0)
+
+    def deliver(event: bytes) -> Awaitable[None] | None:
+        nonlocal pushed
+        pushed += feeding
+        got.append(event)
+        return drain() if len(got) - 1 in drains else None
+
+    relay = asyncio.create_task(stream.relay(deliver))
+    await asyncio.sleep(0)
+    for read in reads:
+        feeding = True
+        resp.feed(*read)
+        feeding = False
+        for _ in range(3):
+            await asyncio.sleep(0)
+    resp.content.feed_eof()
+    try:
+        await relay
+    except Exception as exc:
+        return got, exc, pushed
+    assert resp.content.__class__ is aiohttp.StreamReader and resp.released == [1]  # the reader is its own again
+    return got, None, pushed
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], max_examples=200, deadline=None)
+@given(_streams, st.lists(st.integers(min_value=0), max_size=12), st.lists(st.integers(min_value=1, max_value=3), max_size=12),
+       st.frozensets(st.integers(min_value=0, max_value=20)))
+def test_pushed_events_are_what_iterating_gives(stream: bytes, cuts: list[int], group_sizes: list[int],
+                                                drains: frozenset[int]) -> None:
+    parts = [part for part in split_at(stream, cuts) if part]
+    reads: list[list[bytes]] = []
+    for size in group_sizes or [1]:
+        if parts:
+            reads.append(parts[:size])
+            parts = parts[size:]
+    reads += [[part] for part in parts]
+    flat = [part for read in reads for part in read]
+
+    async def run() -> None:
+        expected, _ = await _drain(_reference_iter_events(_aiter(flat)))
+        got, error, _ = await _pushed_run(reads, drains=drains)
+        assert (got, error) == (expected, None)
+        doubled = [o for e in expected for o in (e, e.upper())]
+        got, error, _ = await _pushed_run(reads, drains=drains, translate=lambda e: [e, e.upper()])
+        assert (got, error) == (doubled, None)
+
+    asyncio.run(run())
+
+
+async def test_each_event_is_given_inside_the_parsers_feed_without_a_read() -> None:
+    events = [b'data: {"n":%d}\n\n' % n for n in range(5)]
+    got, error, pushed = await _pushed_run([[event] for event in events])
+    assert (got, error, pushed) == (events, None, 5)
+
+
+async def test_chunks_that_come_while_a_write_waits_are_given_after_it_in_order() -> None:
+    resp = _LiveResponse()
+    stream = EventStream(resp)  # type: ignore[arg-type]
+    got: list[bytes] = []
+    drained = asyncio.Event()
+
+    def deliver(event: bytes) -> Awaitable[None] | None:
+        got.append(event)
+        return drained.wait() if len(got) == 1 else None
+
+    relay = asyncio.create_task(stream.relay(deliver))
+    await asyncio.sleep(0)
+    many = [b"data: %d\n\n" % n for n in range(300)]  # more chunks than the reader holds unpaused
+    resp.feed(many[0])
+    for _ in range(3):
+        await asyncio.sleep(0)
+    resp.feed(*many[1:])
+    assert got == many[:1]  # held while the write waits: in the reader's buffer
+    assert resp.protocol.paused  # and the reader's own flow control paused the connection
+    drained.set()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert got == many and not resp.protocol.paused  # read, and reading resumed
+    resp.feed(b"data: [DONE]\n\n")
+    assert got[-1] == b"data: [DONE]\n\n"  # pushed again
+    resp.content.feed_eof()
+    await relay
+
+
+async def test_a_relay_that_raises_while_pushed_raises_in_the_relaying_coroutine() -> None:
+    resp = _LiveResponse()
+    stream = EventStream(resp)  # type: ignore[arg-type]
+    got: list[bytes] = []
+    refused = KeyError("refused")
+
+    def deliver(event: bytes) -> None:
+        got.append(event)
+        if len(got) == 2:
+            raise refused
+
+    relay = asyncio.create_task(stream.relay(deliver))
+    await asyncio.sleep(0)
+    resp.feed(b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n")
+    with pytest.raises(KeyError) as raised:
+        await relay
+    assert raised.value is refused and got == [b"data: 1\n\n", b"data: 2\n\n"]  # nothing after it
+    assert resp.content.__class__ is aiohttp.StreamReader
+    resp.feed(b"data: 4\n\n")
+    assert got == [b"data: 1\n\n", b"data: 2\n\n"]
+
+
+async def test_a_failed_connection_while_pushed_is_the_providers_failure() -> None:
+    resp = _LiveResponse()
+    stream = EventStream(resp)  # type: ignore[arg-type]
+    failures: list[int] = []
+    resp.feed(b"data: 1\n\n")
+    first = await anext(stream)
+    stream.watch(first, _is_done, b"[DONE]", lambda: failures.append(1))
+    got: list[bytes] = []
+    relay = asyncio.create_task(stream.relay(lambda event: got.append(event)))  # type: ignore[func-returns-value]
+    await asyncio.sleep(0)
+    resp.feed(b"data: 2\n\n")
+    resp.content.set_exception(aiohttp.ClientPayloadError("cut"))
+    with pytest.raises(UpstreamProtocolError):
+        await relay
+    assert got == [b"data: 1\n\n", b"data: 2\n\n"] and failures == [1]
+
+
+async def test_an_overflow_while_pushed_comes_after_the_events_before_it() -> None:
+    big = b"data: " + b"x" * (MAX_EVENT_BYTES + 1)
+    got, error, _ = await _pushed_run([[b"data: 1\n\n"], [b"data: 2\n\ndata: 3\n\n" + big]])
+    assert got == [b"data: 1\n\n", b"data: 2\n\n", b"data: 3\n\n"]
+    assert isinstance(error, UpstreamProtocolError) and isinstance(error.__cause__, EventTooLarge)
+
+
+async def test_a_cancelled_relay_leaves_the_reader_its_own() -> None:
+    resp = _LiveResponse()
+    stream = EventStream(resp)  # type: ignore[arg-type]
+    got: list[bytes] = []
+    relay = asyncio.create_task(stream.relay(lambda event: got.append(event)))  # type: ignore[func-returns-value]
+    await asyncio.sleep(0)
+    resp.feed(b"data: 1\n\n")
+    relay.cancel()  # the client left
+    with pytest.raises(asyncio.CancelledError):
+        await relay
+    assert resp.content.__class__ is aiohttp.StreamReader and resp.content._timer is not stream
+    resp.feed(b"data: 2\n\n")
+    assert got == [b"data: 1\n\n"]  # nothing given after
+
+
+async def test_the_silence_bound_ends_a_pushed_stream() -> None:
+    resp = _LiveResponse(read_timeout=0.05)
+    stream = EventStream(resp)  # type: ignore[arg-type]
+    got: list[bytes] = []
+    relay = asyncio.create_task(stream.relay(lambda event: got.append(event)))  # type: ignore[func-returns-value]
+    await asyncio.sleep(0)
+    resp.feed(b"data: 1\n\n")
+    with pytest.raises(UpstreamTimeoutError):
+        await asyncio.wait_for(relay, 5)
+    assert got == [b"data: 1\n\n"] and resp.closed

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -53,7 +54,7 @@ from gateway.http.chunked import body_of
 from gateway.http.middleware import request_id_of
 from gateway.http.state import STATE, GatewayState
 from gateway.protocols.anthropic_stream import StreamBroken
-from gateway.providers.base import ProviderError, UpstreamReply, UpstreamTimeoutError
+from gateway.providers.base import ProviderError, UpstreamReply, UpstreamTimeoutError, watched
 from gateway.relay.routing import Route, Target
 
 if TYPE_CHECKING:
@@ -410,7 +411,11 @@ async def _stream(
     hooked = screen is not None or storable or checks is not None or capture is not None
     try:
         sink = body_of(response, await response.prepare(request))
-        async for event in reply.events:
+
+        def deliver(event: bytes) -> Awaitable[None] | None:
+            """One upstream event through the hooks and the relay to the client; what to
+            await before the next (a write's drain). It may run inside the upstream
+            connection's ``data_received`` (``EventStream.relay`` pushes), so it never awaits."""
             if hooked:
                 if screen is not None:
                     event = screen.feed(event)  # before the cache too: it must never keep what was redacted
@@ -424,8 +429,11 @@ async def _stream(
             if out:
                 if relay.done:
                     ending.append(out)
-                elif (waiting := sink.put(out)) is not None:
-                    await waiting
+                else:
+                    return sink.put(out)
+            return None
+
+        await watched(reply.events).relay(deliver)
         if not relay.done:
             raise StreamCut(relay.unfinished)
         if checks is not None:

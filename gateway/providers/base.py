@@ -484,6 +484,15 @@ class ReplyEvents:
     async def __anext__(self) -> bytes:
         raise NotImplementedError
 
+    async def relay(self, deliver: Callable[[bytes], Awaitable[None] | None]) -> None:
+        """Give each event to ``deliver`` in turn, to the stream's end, awaiting what it
+        returns (a write's drain) before the next; raises what iterating would raise, and
+        what ``deliver`` raises. This one iterates; :class:`EventStream` pushes."""
+        async for event in self:
+            waiting = deliver(event)
+            if waiting is not None:
+                await waiting
+
     def watch(self, first: bytes, ends: Callable[[bytes], bool], marker: bytes, failed: Callable[[], object]) -> None:
         self._queued.append(first)  # given again before anything queued after it
         self._ends = ends
@@ -563,6 +572,42 @@ class _Exhausted:
 _EXHAUSTED = _Exhausted()
 
 
+class _PushedBody(aiohttp.StreamReader):
+    """aiohttp's reader of a streamed body while :meth:`EventStream.relay` takes its bytes
+    as aiohttp's parser hands them over (the class of the reader, switched for that time):
+    each chunk goes to the stream, which splits it and gives its events on at once, rather
+    than into the reader's buffer for a read coroutine to be woken for. The end, a failure
+    or a stall switches the class back first, so that they and everything after are the
+    reader's own (read as :meth:`EventStream.__anext__` reads).
+
+    No slot of its own (a class switch needs the same layout): the stream it feeds is kept
+    in the reader's ``_timer``, which only its read methods use, and which the stream puts
+    back when it switches the class back. ``_cursor`` moves with ``total_bytes`` as a read
+    would move it, so the reader's bookkeeping of HTTP chunk ends is right once it reads
+    again.
+    """
+
+    __slots__ = ()
+
+    def feed_data(self, data: bytes, size: int = 0) -> bool:
+        if data:
+            self.total_bytes += len(data)
+            self._cursor += len(data)
+            self._timer._pushed(self, data)  # type: ignore[attr-defined]
+        return False
+
+    def end_http_chunk_receiving(self) -> None:
+        pass  # a chunk's end matters to the reader's reads only: nothing was buffered
+
+    def feed_eof(self) -> None:
+        self._timer._stall(self, None)  # type: ignore[attr-defined]
+        aiohttp.StreamReader.feed_eof(self)
+
+    def set_exception(self, *args: Any, **kwargs: Any) -> None:
+        self._timer._stall(self, None)  # type: ignore[attr-defined]
+        aiohttp.StreamReader.set_exception(self, *args, **kwargs)
+
+
 class EventStream(_SilenceBound, ReplyEvents):
     """An SSE answer as its events, one class-based iterator per stream: each ``__anext__``
     reads a chunk behind :func:`stream_chunks`' silence bound, splits it into events
@@ -573,9 +618,18 @@ class EventStream(_SilenceBound, ReplyEvents):
 
     It replaces four layers of async generators (the bound, the split, the error mapping
     and dispatch's watch): a chunk is one coroutine over aiohttp's read, not five.
+
+    :meth:`relay` pushes instead: while nothing waits to be read, each chunk is split and
+    its events given on from aiohttp's ``data_received`` (:class:`_PushedBody`), and the
+    relaying coroutine is woken only when a write must wait for its drain, a chunk fails
+    or the body ends. A relayed event then costs no future, no task step and no coroutine
+    resumed through the handler's frames: about a third of the CPU a relay spends per
+    event, reading one event per read as streams arrive (docs/benchmark.md, "The sixteenth
+    pass").
     """
 
-    __slots__ = ("_ends", "_failed", "_marker", "_over_already", "_queued", "_splitter", "_translate")
+    __slots__ = ("_aiohttp_timer", "_deliver", "_ends", "_failed", "_marker", "_over_already", "_queued",
+                 "_splitter", "_translate", "_wake")
 
     def __init__(self, resp: aiohttp.ClientResponse,
                  translate: Callable[[bytes], list[bytes]] | None = None) -> None:
@@ -588,6 +642,11 @@ class EventStream(_SilenceBound, ReplyEvents):
         self._ends = _never_ends
         self._failed = None
         self._over_already = False
+        #: While :meth:`relay` pushes: who takes the events, the relaying coroutine's
+        #: wake-up, and the reader's own ``_timer`` (its slot holds this stream meanwhile).
+        self._deliver: Callable[[bytes], Awaitable[None] | None] | None = None
+        self._wake: asyncio.Future[Awaitable[None] | None] | None = None
+        self._aiohttp_timer: Any = None
 
     def __aiter__(self) -> EventStream:
         return self
@@ -606,31 +665,23 @@ class EventStream(_SilenceBound, ReplyEvents):
                     if chunk:
                         self._last_read = self._loop.time()
                         self._received_at_read = content.total_bytes
-                        # Most reads of a stream: one whole event on one line, nothing held
-                        # before it. It is the event as it came (EventSplitter.feed's first
-                        # case, the same test inline: a call and a list fewer per event).
-                        # CR is looked for as an int: memchr, a fifth of `b"\r" in` and
-                        # of find's cost on an S3 chunk.
-                        if (self._translate is None and self._splitter.between_events
-                                and chunk.find(b"\n") == len(chunk) - 2 and chunk[-1] == 0x0A
-                                and chunk[0] > 0x20 and 0x0D not in chunk):
-                            event = chunk
+                        events = self._chunk_events(chunk)
+                        if isinstance(events, bytes):
+                            event = events
                             break
-                        events = self._splitter.feed(chunk)
                     else:
                         events = self._end()
-                    if self._translate is not None:
-                        events = [out for event in events for out in self._translate(event)]
+                        if self._translate is not None:
+                            events = [out for event in events for out in self._translate(event)]
                 except StopAsyncIteration:
                     raise
                 except BaseException as exc:
-                    error = self._failing(exc)
-                    if error is None:
+                    failure = self._failed_chunk(exc)
+                    if failure is exc:
                         raise
-                    if isinstance(exc, EventTooLarge) and exc.events:
-                        self._pending(exc.events, error, exc)
+                    if failure is None:
                         return await self.__anext__()
-                    raise error from exc
+                    raise failure from exc
                 if events:
                     event = events[0]
                     if len(events) > 1:
@@ -642,6 +693,122 @@ class EventStream(_SilenceBound, ReplyEvents):
         if marker is not None and event.rfind(marker) >= 0 and self._ends(event):
             self._marker = None
         return event
+
+    def _chunk_events(self, chunk: bytes) -> bytes | list[bytes]:
+        """The complete events ``chunk`` brings (translated, if the stream translates), or
+        the chunk itself when it is one whole event."""
+        # Most chunks of a stream: one whole event on one line, nothing held before it. It
+        # is the event as it came (EventSplitter.feed's first case, the same test inline: a
+        # call and a list fewer per event). CR is looked for as an int: memchr, a fifth of
+        # `b"\r" in` and of find's cost on an S3 chunk.
+        if (self._translate is None and self._splitter.between_events
+                and chunk.find(b"\n") == len(chunk) - 2 and chunk[-1] == 0x0A
+                and chunk[0] > 0x20 and 0x0D not in chunk):
+            return chunk
+        events = self._splitter.feed(chunk)
+        if self._translate is not None:
+            events = [out for event in events for out in self._translate(event)]
+        return events
+
+    def _failed_chunk(self, exc: BaseException) -> BaseException | None:
+        """What a failed read or split raises: ``exc`` itself (no transport failure), the
+        :class:`ProviderError` it is, or None when the events a chunk completed before
+        its overflow come first (queued, the error after them)."""
+        error = self._failing(exc)
+        if error is None:
+            return exc
+        if isinstance(exc, EventTooLarge) and exc.events:
+            self._pending(exc.events, error, exc)
+            return None
+        error.__cause__ = exc
+        return error
+
+    async def relay(self, deliver: Callable[[bytes], Awaitable[None] | None]) -> None:
+        content = self._content
+        if content.__class__ is not aiohttp.StreamReader:
+            await ReplyEvents.relay(self, deliver)  # a reader of another kind: iterated
+            return
+        while True:
+            # What is here already (the event dispatch read ahead, the rest of a chunk
+            # whose write had to wait, bytes that came meanwhile, the end or a failure)
+            # is read as iterating reads it; then the events are pushed until one of
+            # those is here again.
+            while (self._queued or self._over_already or content._buffer or content._eof
+                   or content._exception is not None):
+                try:
+                    event = await self.__anext__()
+                except StopAsyncIteration:
+                    return
+                waiting = deliver(event)
+                if waiting is not None:
+                    await waiting
+            wake = self._wake = self._loop.create_future()
+            self._deliver = deliver
+            self._aiohttp_timer = content._timer
+            content._timer = self  # type: ignore[assignment]
+            content.__class__ = _PushedBody
+            try:
+                waiting = await wake
+            finally:
+                if content.__class__ is _PushedBody:  # cancelled (the client left) while pushing
+                    self._unpush(content)
+            if waiting is not None:
+                await waiting
+
+    def _unpush(self, content: aiohttp.StreamReader) -> None:
+        """The reader is its own again (its class and its ``_timer``)."""
+        content.__class__ = aiohttp.StreamReader
+        content._timer = self._aiohttp_timer
+        self._deliver = None
+
+    def _stall(self, content: aiohttp.StreamReader, waiting: Awaitable[None] | None,
+               failure: BaseException | None = None) -> None:
+        """Stop pushing; the relaying coroutine wakes to await ``waiting``, to raise
+        ``failure``, or to read what is there (the end, or what came meanwhile)."""
+        self._unpush(content)
+        wake, self._wake = self._wake, None
+        if wake is not None and not wake.done():
+            if failure is not None:
+                wake.set_exception(failure)
+            else:
+                wake.set_result(waiting)
+
+    def _pushed(self, content: aiohttp.StreamReader, chunk: bytes) -> None:
+        """One chunk from aiohttp's parser while pushing: its events given on; never raises
+        (it runs inside aiohttp's ``data_received``)."""
+        self._last_read = self._loop.time()
+        self._received_at_read = content.total_bytes
+        try:
+            events = self._chunk_events(chunk)
+        except BaseException as exc:  # noqa: BLE001 - raised by the relaying coroutine, not here
+            failure = self._failed_chunk(exc)
+            self._stall(content, None, failure)
+            return
+        if isinstance(events, bytes):
+            self._give(content, events)
+            return
+        for i, event in enumerate(events):
+            if not self._give(content, event):
+                rest = events[i + 1:]
+                rest.reverse()
+                self._queued += rest
+                return
+
+    def _give(self, content: aiohttp.StreamReader, event: bytes) -> bool:
+        """One event to the relay while pushing; False if pushing stopped (its write must
+        wait for a drain, or the relay raised)."""
+        marker = self._marker
+        if marker is not None and event.rfind(marker) >= 0 and self._ends(event):
+            self._marker = None
+        try:
+            waiting = self._deliver(event)  # type: ignore[misc]
+        except BaseException as exc:  # noqa: BLE001 - the relay refused the stream, or its client left: raised by the relaying coroutine
+            self._stall(content, None, exc)
+            return False
+        if waiting is not None:
+            self._stall(content, waiting)
+            return False
+        return True
 
     def _end(self) -> list[bytes]:
         """The body is over: its unterminated tail as an event (once), else the end."""
