@@ -148,6 +148,10 @@ class BillingStats:
 
 #: Attempts to settle a reservation while the store is away (then it expires by itself).
 _SETTLE_ATTEMPTS = 5
+#: A call whose PostgreSQL reservation its own ledger row releases is shipped within this
+#: long, whatever the ship interval: until its row is in, its worst case stays held
+#: against its budgets (one timer for every such call of that time).
+RESERVED_SHIP_SECONDS = 0.1
 
 
 class BillingActor(Actor[Flush | Spend | Settle]):
@@ -160,7 +164,7 @@ class BillingActor(Actor[Flush | Spend | Settle]):
         *,
         mailbox_size: int = 8192,
         fsync_interval: float = 0.02,
-        ship_interval: float = 0.1,
+        ship_interval: float = 1.0,
         refresh_interval: float = 1.0,
         max_batch: int = 5000,
         ship_timeout: float = 3.0,
@@ -198,6 +202,8 @@ class BillingActor(Actor[Flush | Spend | Settle]):
             fsync_interval=fsync_interval, log=log, name="billing", store="the ledger",
         )
         self._wake_shipper = asyncio.Event()
+        #: The timer of :meth:`ship_soon`, while one is set.
+        self._ship_soon_timer: asyncio.TimerHandle | None = None
         self._stopping = False
         self._committer: asyncio.Task[None] | None = None
         self._shipper: asyncio.Task[None] | None = None
@@ -224,6 +230,9 @@ class BillingActor(Actor[Flush | Spend | Settle]):
         """Drain: last fsync, last ship; whatever the ledger cannot take stays on disk."""
         journal = self.journal
         self._stopping = self._shipping.stopping = True
+        if self._ship_soon_timer is not None:
+            self._ship_soon_timer.cancel()  # the drain below ships everything
+            self._ship_soon_timer = None
         self._wake_shipper.set()
         journal.wake()
         # Asked to finish, never cancelled: a commit must not be cut while its thread writes.
@@ -319,6 +328,16 @@ class BillingActor(Actor[Flush | Spend | Settle]):
                 await asyncio.sleep(0.2 * 2**attempt)
 
     # -- shipping -----------------------------------------------------------------------
+    def ship_soon(self) -> None:
+        """Ship within :data:`RESERVED_SHIP_SECONDS` rather than at the next interval (a
+        call's reservation waits for its ledger row)."""
+        if self._ship_soon_timer is None and self._ship_interval > RESERVED_SHIP_SECONDS:
+            self._ship_soon_timer = asyncio.get_running_loop().call_later(RESERVED_SHIP_SECONDS, self._ship_now)
+
+    def _ship_now(self) -> None:
+        self._ship_soon_timer = None
+        self._wake_shipper.set()
+
     async def _ship_forever(self) -> None:
         loop = asyncio.get_running_loop()
         next_ship = loop.time() + self._ship_interval
@@ -536,8 +555,12 @@ class BillingHandle:
 
     def settle(self, reservation: Reservation | None, call: CallRecord) -> None:
         """The call ended (its cost settled): release what it held. Never waits."""
-        if reservation is None or self._gate.settles_at_once(reservation, call.cost_micro_usd):
-            return  # no budget, a lease's call, or the ledger row settles it (PostgreSQL)
+        if reservation is None:
+            return  # no budget
+        if self._gate.settles_at_once(reservation, call.cost_micro_usd):
+            if reservation.lease is None:
+                self._actor.ship_soon()  # the ledger row settles it (PostgreSQL): not a whole interval later
+            return  # or a lease's call
         try:
             self._ref.tell(Settle(reservation, call.cost_micro_usd))
         except (MailboxFull, ActorStopped):

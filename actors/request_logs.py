@@ -94,7 +94,7 @@ class RequestLogActor(Actor[Store | Flush | Purge]):
 
     def __init__(
         self, pool: asyncpg.Pool, journal_root: Path, *, fsync_interval: float = 0.02,
-        ship_interval: float = 0.1, purge_interval: float = 60.0, ship_timeout: float = 5.0,
+        ship_interval: float = 1.0, purge_interval: float = 60.0, ship_timeout: float = 5.0,
         drain_timeout: float = 5.0,
     ) -> None:
         super().__init__()

@@ -183,3 +183,34 @@ async def test_spend_counters_add_the_ledger_and_what_is_not_shipped(
     other.record(call(key, subject, cost=0.5))  # not shipped (60 s interval): counted locally
     await asyncio.sleep(0.2)  # several refreshes later it is still counted once
     assert (await other.spend(api_key_id=key)).key_spent_usd == pytest.approx(4.5)
+
+
+async def test_a_call_whose_ledger_row_releases_its_reservation_is_shipped_soon(
+    db_pool: asyncpg.Pool, billing_factory: BillingFactory
+) -> None:
+    """Shipping once a second (the default) keeps a PostgreSQL reservation no longer: the
+    call whose row releases it asks for a ship within RESERVED_SHIP_SECONDS, and one
+    timer serves every such call of that time. Other calls wait for the interval."""
+    from actors.billing import RESERVED_SHIP_SECONDS
+    from gateway.billing.reservations import Reservation
+
+    billing, _ = await billing_factory(db_pool, ship_interval=60.0, refresh_interval=60.0)
+    key, subject = uuid.uuid4(), uuid.uuid4()
+    plain = call(key, subject)
+    billing.record(plain)
+    billing.settle(None, plain)  # no budget: nothing waits for its row
+    await asyncio.sleep(3 * RESERVED_SHIP_SECONDS)
+    assert await count(db_pool, [plain.request_id]) == {}
+    reserved = [call(key, subject) for _ in range(3)]
+    timers = []
+    for c in reserved:
+        billing.record(c)
+        billing.settle(Reservation(c.call_id, 1_000, ()), c)  # a reservation of its own in PostgreSQL
+        timers.append(billing._actor._ship_soon_timer)
+    assert timers[0] is not None and timers == [timers[0]] * 3  # one timer for the three
+    ids = [c.request_id for c in [plain, *reserved]]
+    deadline = asyncio.get_running_loop().time() + 10 * RESERVED_SHIP_SECONDS
+    while await count(db_pool, ids) != {i: 1 for i in ids}:
+        assert asyncio.get_running_loop().time() < deadline, "not shipped soon"
+        await asyncio.sleep(0.01)
+    assert billing._actor._ship_soon_timer is None

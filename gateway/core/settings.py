@@ -68,7 +68,7 @@ class Settings:
     #: Where the billing journal lives (``BILLING_JOURNAL_DIR``); None: ``home/billing-journal``.
     billing_journal_dir: Path | None = None
     #: How often billing ships its journal to the ledger (``BILLING_SHIP_INTERVAL_SECONDS``).
-    billing_ship_interval: float = 0.1
+    billing_ship_interval: float = 1.0
     #: The journal's group-commit window (``BILLING_FSYNC_INTERVAL_SECONDS``): what a power
     #: cut may lose of calls already answered (a process crash loses nothing).
     billing_fsync_interval: float = 0.02
@@ -243,7 +243,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
         management_cors_origins=management_cors,
         home=Path(home_raw).expanduser() if home_raw else Settings().home,
         billing_journal_dir=Path(journal_raw).expanduser() if (journal_raw := env.get("BILLING_JOURNAL_DIR")) else None,
-        billing_ship_interval=_number(env, "BILLING_SHIP_INTERVAL_SECONDS", 0.1, integer=False, minimum=0.001),
+        billing_ship_interval=_number(env, "BILLING_SHIP_INTERVAL_SECONDS", 1.0, integer=False, minimum=0.001),
         billing_fsync_interval=_number(env, "BILLING_FSYNC_INTERVAL_SECONDS", 0.02, integer=False, minimum=0.0),
         budget_reservation_ttl=_number(env, "BUDGET_RESERVATION_TTL_SECONDS", 600.0, integer=False, minimum=1),
         budget_lease_fraction=_fraction(env, "BUDGET_LEASE_FRACTION", 0.02),
