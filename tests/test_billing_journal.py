@@ -235,6 +235,30 @@ async def test_segments_written_here_ship_from_memory_and_recovered_ones_from_di
     reopened.close()
 
 
+async def test_kept_lines_hold_their_own_length_not_orjsons_buffer(tmp_path: Path) -> None:
+    """orjson's output keeps the 8 KiB buffer it was written into, whatever its length; the
+    lines kept for shipping (a whole ship interval of them) are copies of their own size."""
+    import tracemalloc
+
+    journal = Journal.open(tmp_path)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(200):
+            journal.append(line(i), KEY, SUBJECT, 1)  # the caller's line is dropped at once
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    sealed = await journal.seal()
+    assert sealed is not None and sealed.kept is not None
+    kept = await journal.lines_of(sealed)
+    assert [orjson.loads(raw)["n"] for raw in kept] == list(range(200))
+    assert kept == sealed.path.read_bytes().splitlines(keepends=True)  # the file's bytes
+    size = sum(len(raw) for raw in kept)
+    assert held < 2 * size + 64 * 1024  # orjson's own buffers: about 200 x 8 KiB (1.6 MB)
+    journal.close()
+
+
 async def test_lines_past_the_memory_bound_are_shipped_from_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import gateway.billing.journal as journal_module
 
