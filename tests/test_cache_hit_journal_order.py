@@ -4,8 +4,8 @@ response cache, on every route: a crash between the two then loses the end of an
 
 The order is read on the gateway's own side: ``StreamResponse.write``, the relays' direct
 chunk writer (``ChunkedBody.put``) and ``write_eof`` (which sends a stream's end with the
-body's last chunk) are wrapped to note when the end marker goes out, and a call listener (after billing's, which appends the
-journal line) notes when the record is final.
+body's last chunk) are wrapped to note when the end marker goes out, and billing's
+``record`` (which appends the journal line) to note when the row is in the journal.
 """
 
 from __future__ import annotations
@@ -52,7 +52,14 @@ def _watch_order(monkeypatch: pytest.MonkeyPatch, gw: Gateway) -> list[str]:
     monkeypatch.setattr(web.StreamResponse, "write", write)
     monkeypatch.setattr(ChunkedBody, "put", put)
     monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof)
-    gw.state.call_listeners.append(lambda record: order.append(f"journaled {record.cache}"))
+    handle = type(gw.state.billing)
+    journal = handle.record
+
+    def record(self: Any, call: Any) -> None:
+        journal(self, call)  # the line is in the journal's file when this returns
+        order.append(f"journaled {call.cache}")
+
+    monkeypatch.setattr(handle, "record", record)
     return order
 
 
@@ -138,4 +145,52 @@ async def test_a_streamed_answer_s_end_goes_out_with_the_body_s_end_in_one_write
         assert len(ends) == 1 and any(marker in ends[0] for marker in END_MARKERS), ends
         assert ends[0] and raw.endswith(ends[0])
         assert not any(marker in w for w in writes for marker in END_MARKERS), writes
+        await settle(gw, 1)
+
+
+def _whole_call(gw: Gateway, key: str, route: str) -> Callable[[], Awaitable[Any]]:
+    if route == "chat":
+        body: dict[str, Any] = {"model": "cached", "temperature": 0,
+                                "messages": [{"role": "user", "content": "a whole answer"}]}
+        return lambda: gw.data.post("/v1/chat/completions", json=body, headers=auth(key))
+    if route == "messages":
+        body = {"model": "cached", "temperature": 0, "max_tokens": 50,
+                "messages": [{"role": "user", "content": "a whole answer"}]}
+        return lambda: gw.data.post("/v1/messages", json=body, headers={"x-api-key": key})
+    body = {"model": "cached", "temperature": 0, "input": "a whole answer"}
+    return lambda: gw.data.post("/v1/responses", json=body, headers=auth(key))
+
+
+@pytest.mark.parametrize("route", ["chat", "messages", "responses"])
+async def test_a_whole_answer_goes_out_after_its_row_and_before_the_listeners_hear_of_it(
+    gateway_factory: Any, fake: FakeUpstream, api_key: str, monkeypatch: pytest.MonkeyPatch, route: str,
+) -> None:
+    """Nothing but the journal stands between a whole answer and its client: the row is
+    journaled, the answer sent, and only then are the call listeners (metrics, the
+    deployments' token counts) told, live and from the cache alike."""
+    gw: Gateway = await gateway_factory(config_yaml=cached_config(fake.url))
+    order: list[str] = []
+    handle = type(gw.state.billing)
+    journal, original_eof = handle.record, web.StreamResponse.write_eof
+
+    def record(self: Any, call: Any) -> None:
+        journal(self, call)
+        order.append(f"journaled {call.cache}")
+
+    async def write_eof(self: web.StreamResponse, data: bytes = b"") -> None:
+        # The fake provider answers in this process too: only the gateway's answers count.
+        if not self._eof_sent and "x-gateway-cache" in self.headers:
+            order.append("answer sent")
+        await original_eof(self, data)
+
+    monkeypatch.setattr(handle, "record", record)
+    monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof)
+    gw.state.call_listeners.append(lambda call: order.append(f"told {call.cache}"))
+    call = _whole_call(gw, api_key, route)
+    for expected in ("miss", "hit"):
+        order.clear()
+        answer = await call()
+        assert answer.status == 200 and answer.headers["x-gateway-cache"] == expected
+        await answer.read()
+        assert order == [f"journaled {expected}", "answer sent", f"told {expected}"], order
         await settle(gw, 1)

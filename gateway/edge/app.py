@@ -181,7 +181,6 @@ async def gateway_state(
             breaker=BreakerHandle(breaker_actor, breaker_ref),
             tracing=tracing,
             limiter=LimiterHandle(limiter_actor, limiter_ref),
-            call_listeners=[billing.record],
             cache=cache,
             guardrails=guardrails if guardrails.any else None,
             request_logs=request_logs,
@@ -196,7 +195,7 @@ async def gateway_state(
             state.metrics.config_loaded_at.set(state.config_source.loaded_at)
         state.metrics.watch_health_checks(lambda: {name: s.healthy for name, s in probes.view.items()})
         state.call_listeners.append(_tokens_to_deployment_limits(deployment_limits))
-        # Last, so the metrics listener runs after billing's (which may price the call).
+        # The metrics listener; billing has journaled (and priced) a call before any listener hears of it.
         telemetry.install(state)
         yield state
     finally:

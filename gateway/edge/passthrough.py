@@ -247,6 +247,7 @@ def _price_of(state: GatewayState, provider: str, model: str | None) -> Price | 
 
 def _finish(state: GatewayState, record: CallRecord) -> None:
     settle_cost(record)
+    state.billing.record(record)
     for listener in state.call_listeners:
         try:
             listener(record)

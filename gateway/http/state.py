@@ -55,7 +55,9 @@ class GatewayState:
     #: Circuit breakers and recent health per deployment (actors/breaker.py).
     breaker: BreakerHandle
     limiter: LimiterHandle
-    #: Called once per finished chat call (billing, metrics, logs subscribe here).
+    #: Called once per finished generation call, after its ledger row is journaled
+    #: (``billing.record``, never a listener) and its answer sent: metrics and the
+    #: deployments' token counts subscribe here.
     call_listeners: list[Callable[[CallRecord], None]] = field(default_factory=list)
     draining: bool = False
     #: This gateway's metrics (its own registry) and tracer; see gateway/edge/telemetry.py.
