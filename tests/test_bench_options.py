@@ -65,6 +65,45 @@ async def test_s3_reports_each_servers_least_cpu_per_chunk_of_its_rounds_and_eve
     assert any("bare 50, 40, 45 µs" in n and "gateway 90, 70, 80 µs" in n for n in report.notes)
 
 
+async def test_s2_reads_each_targets_best_round_and_notes_every_rounds_p99(monkeypatch: pytest.MonkeyPatch) -> None:
+    """S2's bar reads each target's best round (lowest p50 + p99); a note gives every
+    round's p99 and the gateway's over the bare relay's round by round."""
+    from bench import scenarios
+    from bench.driver import Result
+
+    # Per target, its rounds' latencies (s): a p50 and a p99 each.
+    rounds = {"direct": [(0.050, 0.052)] * 3, "bare": [(0.0505, 0.053), (0.0505, 0.0525), (0.051, 0.055)],
+              "gateway": [(0.051, 0.0540), (0.051, 0.0560), (0.051, 0.0530)]}
+    taken = {t: 0 for t in rounds}
+
+    async def fake_measure(ctx: Any, target: str, profile: Any, run: Any) -> scenarios.Measured:
+        p50, p99 = rounds[target][taken[target]]
+        taken[target] += 1
+        return scenarios.Measured(Result(latencies=[p50] * 98 + [p99] * 2, duration=1.0))
+
+    class Ctx:
+        quick, rounds, duration = False, 3, None
+        stack = None
+
+        def seconds(self, full: float, quick: float) -> float:
+            return full
+
+        def call(self, target: str, profile: Any, body: Any) -> None:
+            return None
+
+        def active(self) -> list[str]:
+            return ["direct", "bare", "gateway"]
+
+    monkeypatch.setattr(scenarios, "measure", fake_measure)
+    report = await scenarios.s2(Ctx())  # type: ignore[arg-type]
+    over = next(r for r in report.rows if r.metric == "added p99 over the bare relay's")
+    assert over.values == {"gateway": 0.5} and over.passed is True  # 53.0 - 52.5: the best rounds
+    assert any(
+        "bare 53.00, 52.50, 55.00" in n and "gateway 54.00, 56.00, 53.00" in n
+        and "same round: +1.00, +3.50, -2.00" in n for n in report.notes
+    ), report.notes
+
+
 def test_the_profile_sets_aside_a_pool_workers_unlink_but_not_the_loops(tmp_path: Any) -> None:
     """A journal thread waiting in ``unlink`` uses no CPU; the loop's own unlink does."""
     from bench.profiling import summarize
