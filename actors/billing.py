@@ -248,7 +248,7 @@ class BillingActor(Actor[Flush | Spend | Settle]):
             log.error("billing journal: final commit failed: %s", exc)
         try:
             async with asyncio.timeout(self._drain_timeout):
-                shipped = await self._shipping.ship_cycle()
+                shipped = await self._ship_cycle()
         except TimeoutError:
             shipped = False
         if not shipped or journal.pending_events:
@@ -338,6 +338,16 @@ class BillingActor(Actor[Flush | Spend | Settle]):
         self._ship_soon_timer = None
         self._wake_shipper.set()
 
+    async def _ship_cycle(self) -> bool:
+        """Ship the journal; the budget leases are told when a ship had everything (a
+        PostgreSQL lease is released once its calls are in the ledger)."""
+        leases = self.gate.leases
+        began = leases.ship_began()
+        ok = await self._shipping.ship_cycle()
+        if ok:
+            leases.shipped(began)
+        return ok
+
     async def _ship_forever(self) -> None:
         loop = asyncio.get_running_loop()
         next_ship = loop.time() + self._ship_interval
@@ -353,7 +363,7 @@ class BillingActor(Actor[Flush | Spend | Settle]):
                 return
             try:
                 if woken or loop.time() >= next_ship:
-                    ok = await self._shipping.ship_cycle()
+                    ok = await self._ship_cycle()
                     backoff = self._ship_interval if ok else min(max(backoff * 2, 0.1), MAX_SHIP_BACKOFF)
                     next_ship = loop.time() + (self._ship_interval if ok else backoff)
                 # Refresh only after a ship, never during one: the counters add the ledger's

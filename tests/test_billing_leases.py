@@ -349,6 +349,62 @@ async def test_a_lease_counts_as_held_until_the_store_has_released_it(
     assert await open_reservations(kind, store, db_pool, budget) == 0
 
 
+@pytest.mark.parametrize("kind", STORES)
+async def test_a_retired_lease_is_tried_once_per_ship_that_can_have_its_calls(
+    kind: str, make_store: Any, db_pool: asyncpg.Pool
+) -> None:
+    """PostgreSQL releases a lease once its costly calls are in the ledger, and each try
+    sends all their ids to be looked up there: once the billing actor tells of its ships,
+    a lease whose calls have ended is tried only after a ship that began after they ended
+    (and again only after the next, if one was still missing). Redis settles the lease at
+    once and is never held back; nor is the last sweep at close."""
+    store, budget = await budget_store(kind, make_store, 1_000_000)
+    clock = Clock()
+    gate = leased_gate(store, clock=clock)
+    leases = gate.leases
+    tries: list[int] = []
+    release = store.release_lease
+
+    async def counted_release(*args: Any) -> bool:
+        tries.append(len(args[2]))
+        return bool(await release(*args))
+
+    store.release_lease = counted_release
+    leases.shipped(leases.ship_began())  # a ship before these calls: it cannot have them
+    first, second = [await hold(gate, budget, 1_000) for _ in range(2)]
+    gate.settles_at_once(first, 400)
+    gate.settles_at_once(second, 300)
+    clock.now += 1.0  # the lease stops admitting: retired, its calls all ended
+    await leases.sweep()
+    await leases.sweep()
+    if kind == "redis":
+        assert tries == [2] and leases.held == 0  # settled at once: nothing to wait for
+        return
+    assert tries == [] and leases.held == 1  # no ship since they ended: not tried
+    await ledger_row(db_pool, first.reservation_id, budget, 400)  # one of the two shipped
+    clock.now += 0.5
+    leases.shipped(leases.ship_began())
+    clock.now += 0.1  # the sweep comes a little after the ship
+    await leases.sweep()
+    await leases.sweep()
+    assert tries == [2] and leases.held == 1  # tried once: one still missing, so it waits
+    await ledger_row(db_pool, second.reservation_id, budget, 300)
+    await leases.sweep()
+    assert tries == [2]  # no ship since that try
+    clock.now += 0.5
+    leases.shipped(leases.ship_began())
+    clock.now += 0.1
+    await leases.sweep()
+    assert tries == [2, 2] and leases.held == 0
+    assert await open_reservations(kind, store, db_pool, budget) == 0
+
+    # At close, after the last ship, a lease is tried whatever the ships told.
+    third = await hold(gate, budget, 1_000)
+    gate.settles_at_once(third, 0)
+    await leases.close()
+    assert tries == [2, 2, 0] and leases.held == 0
+
+
 # -- through a running gateway --------------------------------------------------------------
 @pytest.mark.parametrize("store", ["postgresql", "redis"])
 async def test_a_busy_budgeted_key_is_held_in_leases_and_its_spend_is_exact(
@@ -373,6 +429,7 @@ async def test_a_busy_budgeted_key_is_held_in_leases_and_its_spend_is_exact(
     assert (await fake.stats())["requests"] == 100  # a refused call sends nothing
     assert leases.granted == 2 and leases.admitted == 100
     assert await gw.state.billing.flush()
+    assert leases._shipped_from is not None  # the billing actor tells the leases of its ships
     assert await ledger_spend(db_pool, record.api_key_id) == Decimal("10")
     # The leases retire when spent and are released once the ledger has their calls.
     await until(lambda: leases.held == 0)

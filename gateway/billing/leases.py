@@ -75,8 +75,9 @@ _ATTEMPTS = 3
 class Lease:
     """One lease: its reservation (id, amount, budgets) and what its calls use of it."""
 
-    __slots__ = ("admits_until", "amount", "costly_calls", "expires_at", "free", "largest", "open", "renew_at",
-                 "renewing", "reservation", "resizing", "retired", "shrinking", "shrunk", "spent", "standby")
+    __slots__ = ("admits_until", "amount", "costly_calls", "expires_at", "free", "largest", "open", "release_after",
+                 "renew_at", "renewing", "reservation", "resizing", "retired", "shrinking", "shrunk", "spent",
+                 "standby")
 
     def __init__(
         self, reservation: Reservation, admits_until: float, expires_at: float, renew_at: float, largest: int = 0,
@@ -101,6 +102,10 @@ class Lease:
         self.spent = 0
         #: Calls that ended with a cost: PostgreSQL releases the lease once all are ledgered.
         self.costly_calls: list[uuid.UUID] = []
+        #: Its calls all ended (or a release found one not ledgered yet) at this time: its
+        #: release waits for a ship of the ledger's journal that began then or later
+        #: (:meth:`BudgetLeases.shipped`). None: not yet known to have ended.
+        self.release_after: float | None = None
         self.retired = False
         #: Retired: the store told to hold just what its calls hold and have spent (or telling it).
         self.shrinking: asyncio.Task[None] | None = None
@@ -138,6 +143,13 @@ class BudgetLeases:
         self._refused_until: dict[tuple[Budget, ...], float] = {}
         self._retired: list[Lease] = []
         self._sweeper: asyncio.Task[None] | None = None
+        #: When the last ship of the ledger's journal that shipped everything began (the
+        #: billing actor tells, :meth:`shipped`); None until one has. A store that settles
+        #: through the ledger (PostgreSQL) releases a lease only once its costly calls are
+        #: in it: each try sends every one of their ids to be looked up there (thousands
+        #: for a busy key's lease), so a lease is tried once per ship that can have them,
+        #: not at every sweep. Until a ship is told, at every sweep.
+        self._shipped_from: float | None = None
         #: Leases granted, and calls admitted from one (for tests and the bench).
         self.granted = 0
         self.admitted = 0
@@ -288,9 +300,21 @@ class BudgetLeases:
             except Exception as exc:  # noqa: BLE001 - retried next sweep; leases expire otherwise
                 log.warning("billing: could not release budget leases (%s: %s); retried", type(exc).__name__, exc)
 
-    async def sweep(self) -> None:
+    def ship_began(self) -> float:
+        """A ship of the ledger's journal begins: its time, for :meth:`shipped`."""
+        return self._clock()
+
+    def shipped(self, began: float) -> None:
+        """The ship that began at ``began`` (:meth:`ship_began`) shipped every line: every call
+        that ended before then is in the ledger."""
+        if self._shipped_from is None or began > self._shipped_from:
+            self._shipped_from = began
+
+    async def sweep(self, *, final: bool = False) -> None:
         """Retire leases past their time; shrink retired ones to what their calls still hold
-        and have spent; release those whose calls have all ended (and been ledgered)."""
+        and have spent; release those whose calls have all ended (and been ledgered: with a
+        store that settles through the ledger, tried once a ship began after they ended;
+        ``final``, at close after the last ship: tried whatever the ships)."""
         now = self._clock()
         for lease in [*self._active.values(), *self._next.values()]:
             if now < lease.admits_until:
@@ -309,10 +333,25 @@ class BudgetLeases:
             if now >= lease.expires_at:
                 self._forget(lease)  # the store no longer counts it
             elif lease.open == 0:
+                if not self._may_try_release(lease, now, final):
+                    continue
                 if await self.store.release_lease(lease.reservation, lease.spent, lease.costly_calls):
                     self._forget(lease)
+                else:
+                    lease.release_after = self._clock()  # the next ship that begins from now on has them
             elif not lease.shrunk:
                 await asyncio.shield(self._shrink(lease))  # the sweeper stopped at close: close's sweep shares it
+
+    def _may_try_release(self, lease: Lease, now: float, final: bool) -> bool:
+        """Whether a retired lease whose calls have all ended may ask the store for its
+        release now: always where the store does not wait for the ledger, at close, and
+        before any ship was told; else once a ship that began after its calls ended has
+        shipped everything."""
+        if final or self.store.settles_explicitly or self._shipped_from is None:
+            return True
+        if lease.release_after is None:
+            lease.release_after = now  # ended by now: journaled, not yet known to be ledgered
+        return self._shipped_from >= lease.release_after
 
     async def give_back(self, budgets: tuple[Budget, ...]) -> bool:
         """Shrink this process's retired leases on any of ``budgets`` now, not at the next
@@ -406,7 +445,7 @@ class BudgetLeases:
         for lease in [*self._active.values(), *self._next.values()]:
             self._retire(lease)
         try:
-            await self.sweep()
+            await self.sweep(final=True)
         except Exception as exc:  # noqa: BLE001 - they expire by themselves
             log.warning("billing: could not release budget leases at shutdown (%s: %s); they expire in %.0f s",
                         type(exc).__name__, exc, self._ttl + self._seconds)
