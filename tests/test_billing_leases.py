@@ -398,11 +398,25 @@ async def test_a_retired_lease_is_tried_once_per_ship_that_can_have_its_calls(
     assert tries == [2, 2] and leases.held == 0
     assert await open_reservations(kind, store, db_pool, budget) == 0
 
+    # Retired with a call still open: the end of its last call is timed, so a ship that
+    # began after that end, even before the sweep saw it, has them all.
+    fourth = await hold(gate, budget, 1_000)
+    clock.now += 1.0
+    await leases.sweep()  # retired, one call open: nothing to try yet
+    assert tries == [2, 2] and leases.held == 1
+    gate.settles_at_once(fourth, 500)
+    await ledger_row(db_pool, fourth.reservation_id, budget, 500)
+    clock.now += 0.1
+    leases.shipped(leases.ship_began())
+    clock.now += 0.1
+    await leases.sweep()
+    assert tries == [2, 2, 1] and leases.held == 0
+
     # At close, after the last ship, a lease is tried whatever the ships told.
     third = await hold(gate, budget, 1_000)
     gate.settles_at_once(third, 0)
     await leases.close()
-    assert tries == [2, 2, 0] and leases.held == 0
+    assert tries == [2, 2, 1, 0] and leases.held == 0
 
 
 # -- through a running gateway --------------------------------------------------------------

@@ -240,6 +240,8 @@ class BudgetLeases:
             lease.costly_calls.append(held.reservation_id)
         if not lease.retired:
             lease.free += held.amount_micro_usd - cost_micro_usd
+        elif lease.open == 0:
+            lease.release_after = self._clock()  # its last call ended: a ship from now on has them all
 
     async def _open(self, budgets: tuple[Budget, ...], size: int, renewal: bool, largest: int) -> Lease | None:
         try:
@@ -350,7 +352,8 @@ class BudgetLeases:
         if final or self.store.settles_explicitly or self._shipped_from is None:
             return True
         if lease.release_after is None:
-            lease.release_after = now  # ended by now: journaled, not yet known to be ledgered
+            # Retired with no call open (its last end was not timed): they ended by now.
+            lease.release_after = now
         return self._shipped_from >= lease.release_after
 
     async def give_back(self, budgets: tuple[Budget, ...]) -> bool:
