@@ -10,6 +10,23 @@ from bench.cli import build_parser
 from bench.stack import key_create_argv
 
 
+class ThreeRounds:
+    """A stand-in RunContext: full sizes, three rounds, every target; the passes themselves
+    come from a test's stand-in ``measure``."""
+
+    quick, rounds, duration = False, 3, None
+    stack = None
+
+    def seconds(self, full: float, quick: float) -> float:
+        return full
+
+    def call(self, target: str, profile: Any, body: Any) -> None:
+        return None
+
+    def active(self) -> list[str]:
+        return ["direct", "bare", "gateway"]
+
+
 def test_the_bench_key_has_its_budget_unless_no_budget_is_asked() -> None:
     assert build_parser().parse_args([]).no_budget is False
     assert build_parser().parse_args(["--no-budget"]).no_budget is True
@@ -42,21 +59,8 @@ async def test_s3_reports_each_servers_least_cpu_per_chunk_of_its_rounds_and_eve
         window = None if cpu is None else Window(start_rss=0, start_cpu=0.0, started=0.0, cpu=cpu, wall=1.0)
         return scenarios.Measured(result, window)
 
-    class Ctx:
-        quick, rounds, duration = False, 3, None
-        stack = None
-
-        def seconds(self, full: float, quick: float) -> float:
-            return full
-
-        def call(self, target: str, profile: Any, body: Any) -> None:
-            return None
-
-        def active(self) -> list[str]:
-            return ["direct", "bare", "gateway"]
-
     monkeypatch.setattr(scenarios, "measure", fake_measure)
-    report = await scenarios.s3(Ctx())  # type: ignore[arg-type]
+    report = await scenarios.s3(ThreeRounds())  # type: ignore[arg-type]
     cpu = next(r for r in report.rows if r.metric == "server CPU per chunk")
     assert cpu.values == {"bare": 40.0, "gateway": 70.0}  # the lowest rounds, not the fastest-first-chunk ones
     assert cpu.compare.startswith("1.75\u00d7 bare") and cpu.passed is False
@@ -81,21 +85,8 @@ async def test_s2_reads_each_targets_best_round_and_notes_every_rounds_p99(monke
         taken[target] += 1
         return scenarios.Measured(Result(latencies=[p50] * 98 + [p99] * 2, duration=1.0))
 
-    class Ctx:
-        quick, rounds, duration = False, 3, None
-        stack = None
-
-        def seconds(self, full: float, quick: float) -> float:
-            return full
-
-        def call(self, target: str, profile: Any, body: Any) -> None:
-            return None
-
-        def active(self) -> list[str]:
-            return ["direct", "bare", "gateway"]
-
     monkeypatch.setattr(scenarios, "measure", fake_measure)
-    report = await scenarios.s2(Ctx())  # type: ignore[arg-type]
+    report = await scenarios.s2(ThreeRounds())  # type: ignore[arg-type]
     over = next(r for r in report.rows if r.metric == "added p99 over the bare relay's")
     assert over.values == {"gateway": 0.5} and over.passed is True  # 53.0 - 52.5: the best rounds
     assert any(
