@@ -193,9 +193,7 @@ async def serve(request: web.Request, protocol: Inbound, state: GatewayState | N
             # (the budget's release, metrics, the span's end, the access line) happens
             # after the client has its answer, not before: 30-40 µs less on each call's
             # latency at a low rate, where a request's path runs with cold caches.
-            record.latency = time.monotonic() - started
-            record.cache = None if cache is None else cache.status
-            _finish(state, record)
+            _finish_at(state, record, started, None if cache is None else cache.status)
             try:
                 await response.prepare(request)
                 await response.write_eof()
@@ -213,10 +211,8 @@ async def serve(request: web.Request, protocol: Inbound, state: GatewayState | N
         record.error_type = exc.error_code
         raise
     finally:
-        if not record.finished:  # a complete stream has finished its record already
-            record.latency = time.monotonic() - started
-            record.cache = None if cache is None else cache.status
-            _finish(state, record)
+        if not record.finished:  # a whole answer or a complete stream has finished its record already
+            _finish_at(state, record, started, None if cache is None else cache.status)
         state.billing.settle(reservation, record)  # budget hook: release at the real cost
         _tell(state, record)
         if capture is not None:
@@ -234,9 +230,7 @@ async def _record_then_end(
     cache; a whole answer is sent by :func:`serve` after its record is finished. The call
     listeners hear of it after the ending is out (:func:`serve`'s end).
     The ending goes out with the body's end (chunked encoding's last chunk): one write, not two."""
-    record.latency = time.monotonic() - started
-    record.cache = cache_status
-    _finish(state, record)
+    _finish_at(state, record, started, cache_status)
     try:
         await response.write_eof(ending)
     except ConnectionError:
@@ -314,6 +308,13 @@ def _finish(state: GatewayState, record: CallRecord) -> None:
     record.finished = True
     settle_cost(record)  # once, so billing, metrics and logs see the same cost
     state.billing.record(record)
+
+
+def _finish_at(state: GatewayState, record: CallRecord, started: float, cache_status: str | None) -> None:
+    """:func:`_finish` a call that ran since ``started`` (monotonic), its cache status set."""
+    record.latency = time.monotonic() - started
+    record.cache = cache_status
+    _finish(state, record)
 
 
 def _tell(state: GatewayState, record: CallRecord) -> None:
