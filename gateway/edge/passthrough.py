@@ -44,11 +44,11 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from gateway.billing.pricing import settle_cost
 from gateway.core.config import Price
 from gateway.core.errors import InvalidRequest, ModelNotAllowed, ModelNotFound, UpstreamUnavailable
 from gateway.core.usage import CallRecord, Usage
 from gateway.edge import telemetry
+from gateway.edge.pipeline import finish_record, tell_listeners
 from gateway.edge.ratelimit import admit
 from gateway.http.bodies import bearer_token, read_body
 from gateway.http.chunked import Body, body_of
@@ -123,7 +123,8 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         raise
     finally:
         record.latency = time.monotonic() - started
-        _finish(state, record)
+        finish_record(state, record)  # journaled once the answer is through: its usage is in it
+        tell_listeners(state, record)
         state.billing.settle(reservation, record)
 
 
@@ -244,12 +245,3 @@ def _price_of(state: GatewayState, provider: str, model: str | None) -> Price | 
                 return deployment.price
     return None
 
-
-def _finish(state: GatewayState, record: CallRecord) -> None:
-    settle_cost(record)
-    state.billing.record(record)
-    for listener in state.call_listeners:
-        try:
-            listener(record)
-        except Exception:  # a listener must never fail the request it observes
-            log.exception("call listener failed for %s", record.request_id)

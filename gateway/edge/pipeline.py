@@ -60,7 +60,7 @@ from gateway.relay.routing import Route, Target
 if TYPE_CHECKING:
     from actors.auth import VerifiedKey
 
-__all__ = ["SSE_HEADERS", "Inbound", "Parsed", "serve"]
+__all__ = ["SSE_HEADERS", "Inbound", "Parsed", "finish_record", "serve", "tell_listeners"]
 
 log = logging.getLogger("gateway.chat")
 
@@ -214,7 +214,7 @@ async def serve(request: web.Request, protocol: Inbound, state: GatewayState | N
         if not record.finished:  # a whole answer or a complete stream has finished its record already
             _finish_at(state, record, started, None if cache is None else cache.status)
         state.billing.settle(reservation, record)  # budget hook: release at the real cost
-        _tell(state, record)
+        tell_listeners(state, record)
         if capture is not None:
             capture.finish(state, record)  # to the request-log actor: no encoding here
         telemetry.end_call(state, observed, record)
@@ -297,29 +297,29 @@ def _record_refusal(
         status=exc.status, outcome="blocked", error_type=exc.error_code,
         guardrails=((exc.policy, "blocked", "input"),),
     )
-    _finish(state, record)
-    _tell(state, record)
+    finish_record(state, record)
+    tell_listeners(state, record)
 
 
-def _finish(state: GatewayState, record: CallRecord) -> None:
+def finish_record(state: GatewayState, record: CallRecord) -> None:
     """The record is final: its cost settled and its ledger row journaled (in the journal's
     file when this returns). The one step between an answer's last byte and the client:
-    the call listeners are told later (:func:`_tell`)."""
+    the call listeners are told later (:func:`tell_listeners`)."""
     record.finished = True
     settle_cost(record)  # once, so billing, metrics and logs see the same cost
     state.billing.record(record)
 
 
 def _finish_at(state: GatewayState, record: CallRecord, started: float, cache_status: str | None) -> None:
-    """:func:`_finish` a call that ran since ``started`` (monotonic), its cache status set."""
+    """:func:`finish_record` a call that ran since ``started`` (monotonic), its cache status set."""
     record.latency = time.monotonic() - started
     record.cache = cache_status
-    _finish(state, record)
+    finish_record(state, record)
 
 
-def _tell(state: GatewayState, record: CallRecord) -> None:
+def tell_listeners(state: GatewayState, record: CallRecord) -> None:
     """The call listeners (metrics, deployment limits' tokens): once per call, after its
-    answer is out and its row journaled (:func:`_finish`)."""
+    answer is out and its row journaled (:func:`finish_record`)."""
     for listener in state.call_listeners:
         try:
             listener(record)
