@@ -348,7 +348,8 @@ class BudgetLeases:
         """Whether a retired lease whose calls have all ended may ask the store for its
         release now: always where the store does not wait for the ledger, at close, and
         before any ship was told; else once a ship that began after its calls ended has
-        shipped everything."""
+        shipped everything. A lease whose last call's end was not timed (retired with none
+        open) is taken to have ended now, the first time it is asked."""
         if final or self.store.settles_explicitly or self._shipped_from is None:
             return True
         if lease.release_after is None:
