@@ -286,6 +286,26 @@ async def test_one_billing_log_line_per_call(
     assert api_key not in json.dumps(line)
 
 
+async def test_an_embeddings_call_has_one_billing_log_line_too(
+    priced: Gateway, api_key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Embeddings calls are journaled outside the chat pipeline: their line is logged there."""
+    request_id = rid()
+    with caplog.at_level(logging.INFO, logger="gateway.billing"):
+        resp = await priced.data.post(
+            "/v1/embeddings", json={"model": "any-embedder", "input": ["hello"]},
+            headers={**auth(api_key), "x-request-id": request_id},
+        )
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+    lines = [
+        r.fields for r in caplog.records  # type: ignore[attr-defined]
+        if r.name == "gateway.billing" and r.getMessage() == "billing" and r.fields["request_id"] == request_id  # type: ignore[attr-defined]
+    ]
+    assert len(lines) == 1, lines
+    assert lines[0]["model"] == "any-embedder" and lines[0]["prompt_tokens"] > 0 and lines[0]["cost_usd"] > 0
+
+
 async def test_metrics_show_the_billing_backlog_and_the_unpriced_calls(
     gateway_factory: Any, fake: FakeUpstream, api_key: str
 ) -> None:

@@ -10,6 +10,8 @@ body's last chunk) are wrapped to note when the end marker goes out, and billing
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,7 +27,7 @@ from tests.conftest import FakeUpstream, Gateway, auth
 END_MARKERS = (b"data: [DONE]", b"event: message_stop", b"event: response.completed")
 
 
-def _watch_order(monkeypatch: pytest.MonkeyPatch, gw: Gateway) -> list[str]:
+def _watch_order(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, gw: Gateway) -> list[str]:
     order: list[str] = []
     original_write, original_eof = web.StreamResponse.write, web.StreamResponse.write_eof
     original_put = ChunkedBody.put
@@ -60,7 +62,33 @@ def _watch_order(monkeypatch: pytest.MonkeyPatch, gw: Gateway) -> list[str]:
         order.append(f"journaled {call.cache}")
 
     monkeypatch.setattr(handle, "record", record)
+    _watch_billing_line(monkeypatch, caplog, order)
     return order
+
+
+def _watch_billing_line(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, order: list[str]) -> None:
+    """Note when a call's billing line is logged (made of its journaled row)."""
+    import actors.billing
+
+    caplog.set_level(logging.INFO, logger="gateway.billing")  # lines are made at INFO only
+
+    log_billing = actors.billing._log_billing
+
+    def logged(row: Any) -> None:
+        log_billing(row)
+        order.append("billing line")
+
+    monkeypatch.setattr(actors.billing, "_log_billing", logged)
+
+
+async def _logged(order: list[str], lines: int = 1) -> None:
+    """Wait (bounded) for the handler to log ``lines`` billing lines: it does so after the
+    answer's end is sent, so maybe after the client has read it."""
+    for _ in range(200):
+        if order.count("billing line") >= lines:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"no billing line after the answer: {order}")
 
 
 def _chat(gw: Gateway, key: str) -> Callable[[], Awaitable[Any]]:
@@ -83,16 +111,19 @@ def _responses(gw: Gateway, key: str) -> Callable[[], Awaitable[Any]]:
 @pytest.mark.parametrize("route", [_chat, _messages, _responses], ids=["chat", "messages", "responses"])
 async def test_a_streamed_answer_is_journaled_before_its_end_live_and_from_the_cache(
     gateway_factory: Any, fake: FakeUpstream, api_key: str, monkeypatch: pytest.MonkeyPatch, route: Any,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     gw: Gateway = await gateway_factory(config_yaml=cached_config(fake.url))
-    order = _watch_order(monkeypatch, gw)
+    order = _watch_order(monkeypatch, caplog, gw)
     call = route(gw, api_key)
 
     live = await call()
     assert live.status == 200 and live.headers["x-gateway-cache"] == "miss"
     raw = await live.read()
     assert any(marker in raw for marker in END_MARKERS)
-    assert order[-2:] == ["journaled miss", "end sent"], order
+    # The row before the end; the billing line once the end is out.
+    await _logged(order)
+    assert order[-3:] == ["journaled miss", "end sent", "billing line"], order
     await settle(gw, 1)
 
     order.clear()
@@ -100,9 +131,10 @@ async def test_a_streamed_answer_is_journaled_before_its_end_live_and_from_the_c
     assert hit.status == 200 and hit.headers["x-gateway-cache"] == "hit"
     raw = await hit.read()
     assert any(marker in raw for marker in END_MARKERS)
-    # What the answer holds goes first, then its row, then its end: nothing after.
-    assert order[0] == "chunk sent" and order[-2:] == ["journaled hit", "end sent"], order
-    assert order.count("journaled hit") == 1
+    # What the answer holds goes first, then its row, then its end, then the row's line.
+    await _logged(order)
+    assert order[0] == "chunk sent" and order[-3:] == ["journaled hit", "end sent", "billing line"], order
+    assert order.count("journaled hit") == 1 and order.count("billing line") == 1
 
 
 @pytest.mark.parametrize("route", [_chat, _messages, _responses], ids=["chat", "messages", "responses"])
@@ -164,10 +196,12 @@ def _whole_call(gw: Gateway, key: str, route: str) -> Callable[[], Awaitable[Any
 @pytest.mark.parametrize("route", ["chat", "messages", "responses"])
 async def test_a_whole_answer_goes_out_after_its_row_and_before_the_listeners_hear_of_it(
     gateway_factory: Any, fake: FakeUpstream, api_key: str, monkeypatch: pytest.MonkeyPatch, route: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Nothing but the journal stands between a whole answer and its client: the row is
-    journaled, the answer sent, and only then are the call listeners (metrics, the
-    deployments' token counts) told, live and from the cache alike."""
+    journaled, the answer sent, and only then is the row's billing line logged and are the
+    call listeners (metrics, the deployments' token counts) told, live and from the cache
+    alike."""
     gw: Gateway = await gateway_factory(config_yaml=cached_config(fake.url))
     order: list[str] = []
     handle = type(gw.state.billing)
@@ -185,6 +219,7 @@ async def test_a_whole_answer_goes_out_after_its_row_and_before_the_listeners_he
 
     monkeypatch.setattr(handle, "record", record)
     monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof)
+    _watch_billing_line(monkeypatch, caplog, order)
     gw.state.call_listeners.append(lambda call: order.append(f"told {call.cache}"))
     call = _whole_call(gw, api_key, route)
     for expected in ("miss", "hit"):
@@ -192,5 +227,7 @@ async def test_a_whole_answer_goes_out_after_its_row_and_before_the_listeners_he
         answer = await call()
         assert answer.status == 200 and answer.headers["x-gateway-cache"] == expected
         await answer.read()
-        assert order == [f"journaled {expected}", "answer sent", f"told {expected}"], order
+        await _logged(order)
+        await asyncio.sleep(0)  # the listeners are told right after the line
+        assert order == [f"journaled {expected}", "answer sent", "billing line", f"told {expected}"], order
         await settle(gw, 1)

@@ -406,6 +406,9 @@ class CallRecord:
     #: stream finishes its record before its end marker is sent, so a client never sees a
     #: complete answer whose usage event is not yet in the journal.
     finished: bool = False
+    #: The ledger row billing journaled for this call, held until its billing line is
+    #: logged once the answer is out (``BillingHandle.log_line``); None before and after.
+    ledger_row: dict[str, object] | None = None
 
 
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})

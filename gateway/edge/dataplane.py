@@ -132,3 +132,4 @@ async def embeddings(request: web.Request) -> web.Response:
         settle_cost(record)
         state.billing.record(record)
         state.billing.settle(reservation, record)
+        state.billing.log_line(record)

@@ -318,8 +318,10 @@ def _finish_at(state: GatewayState, record: CallRecord, started: float, cache_st
 
 
 def tell_listeners(state: GatewayState, record: CallRecord) -> None:
-    """The call listeners (metrics, deployment limits' tokens): once per call, after its
-    answer is out and its row journaled (:func:`finish_record`)."""
+    """The call's billing line, then the call listeners (metrics, deployment limits'
+    tokens): once per call, after its answer is out and its row journaled
+    (:func:`finish_record`)."""
+    state.billing.log_line(record)
     for listener in state.call_listeners:
         try:
             listener(record)
