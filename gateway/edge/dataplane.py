@@ -8,11 +8,11 @@ import time
 import orjson
 from aiohttp import web
 
-from gateway.billing.pricing import settle_cost
 from gateway.core.errors import GatewayError, InvalidRequest
 from gateway.core.usage import CallRecord, usage_from_answer
 from gateway.edge import telemetry
 from gateway.edge.dispatch import embed
+from gateway.edge.pipeline import finish_record
 from gateway.edge.ratelimit import admit
 from gateway.http.bodies import bearer_token, read_json_body
 from gateway.http.middleware import request_id_of
@@ -129,7 +129,7 @@ async def embeddings(request: web.Request) -> web.Response:
     finally:
         # One ledger row per embeddings call, with its tokens and cost, as for chat.
         record.latency = time.monotonic() - started
-        settle_cost(record)
-        state.billing.record(record)
+        finish_record(state, record)
         state.billing.settle(reservation, record)
+        # This route tells no call listeners (tell_listeners), so its billing line is logged here.
         state.billing.log_line(record)
