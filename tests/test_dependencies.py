@@ -25,6 +25,8 @@ IMPORTED_AS = {
     "opentelemetry-sdk": "opentelemetry.sdk",
     "opentelemetry-exporter-otlp-proto-http": "opentelemetry.exporter.otlp.proto.http",
     "orjson": "orjson",
+    "httptools": "httptools",
+    "aiohappyeyeballs": "aiohappyeyeballs",
     "PyYAML": "yaml",
     "uvloop": "uvloop",
     "pgserver": "pgserver",

@@ -356,4 +356,7 @@ async def test_replaced_providers_stay_open_until_every_older_request_is_done() 
     pools.leave(old_request)
     await asyncio.sleep(0.01)
     assert pools.closed(first["x"]) and pools.closed(first["y"]) and not pools.closed(third["z"])
+    # Closing a provider closes its whole answers' connections too, at shutdown as well.
+    assert first["x"].http.closed and first["y"].http.closed and not third["z"].http.closed
     await pools.close_all()
+    assert third["z"].http.closed

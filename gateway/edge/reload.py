@@ -71,6 +71,9 @@ class ProviderPools:
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
         self._sessions: dict[int, aiohttp.ClientSession] = {}
+        #: The providers built here, by id (a provider's whole answers have their own
+        #: connections, which closing the session does not close: see close_all).
+        self._built: dict[int, Provider] = {}
         #: Requests in flight per generation (only generations with some, plus the current).
         self._in_flight: dict[int, int] = {}
         self.generation = 1
@@ -113,6 +116,7 @@ class ProviderPools:
             asyncio.get_running_loop().create_task(session.close())
             raise ConfigError(f"providers.{name}.type: {exc}") from None
         self._sessions[id(provider)] = session
+        self._built[id(provider)] = provider
         return provider
 
     def retire(self, old: Mapping[str, Provider], new: Mapping[str, Provider]) -> None:
@@ -162,6 +166,7 @@ class ProviderPools:
 
     async def _close(self, provider: Provider) -> None:
         session = self._sessions.pop(id(provider), None)
+        self._built.pop(id(provider), None)
         try:
             await provider.close()
         finally:
@@ -178,6 +183,9 @@ class ProviderPools:
         """At shutdown: every pool, retired or not."""
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+        providers, self._built = list(self._built.values()), {}
+        for provider in providers:
+            await provider.close()
         sessions, self._sessions = list(self._sessions.values()), {}
         for session in sessions:
             await session.close()

@@ -39,7 +39,7 @@ from gateway.providers.base import (
     client_timeout,
     fetch_model_ids,
     map_transport_errors,
-    read_reply,
+    whole_answer_of,
 )
 
 __all__ = [
@@ -113,25 +113,28 @@ class AnthropicProvider(Provider):
         payload = orjson.dumps(to_messages_request(body, stream=stream))
         keyed = self.keyed_headers(self._headers)
         send_headers = {**keyed, **headers} if headers else keyed
-        with map_transport_errors():
-            resp = await self._session.post(
-                self._messages_url,
-                data=payload,
-                headers=send_headers,
-                timeout=client_timeout(timeouts or self.timeouts, stream=stream),
-                auto_decompress=True,
-            )
-        content_type = resp.headers.get("Content-Type", "")
-        if stream and resp.status < 300 and content_type.startswith("text/event-stream"):
-            translator = StreamTranslator(model=str(body.get("model") or ""), include_usage=_wants_usage(body))
-            return UpstreamReply(status=resp.status, headers=_JSON_HEADERS,
-                                 events=_translated_events(resp, translator), _release=resp.release)
-        raw = await read_reply(resp, self.config.max_response_bytes)
+        if stream:
+            with map_transport_errors():
+                resp = await self._session.post(
+                    self._messages_url,
+                    data=payload,
+                    headers=send_headers,
+                    timeout=client_timeout(timeouts or self.timeouts, stream=True),
+                    auto_decompress=True,
+                )
+            if resp.status < 300 and resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                translator = StreamTranslator(model=str(body.get("model") or ""), include_usage=_wants_usage(body))
+                return UpstreamReply(status=resp.status, headers=_JSON_HEADERS,
+                                     events=_translated_events(resp, translator), _release=resp.release)
+            whole = await whole_answer_of(resp, self.config.max_response_bytes)
+        else:
+            whole = await self.post_whole(self._messages_url, payload, send_headers, timeouts)
+        raw = whole.body
         reply_headers = dict(_JSON_HEADERS)
-        if "retry-after" in resp.headers:
-            reply_headers["retry-after"] = resp.headers["retry-after"]
-        if resp.status >= 300:
-            return UpstreamReply(status=resp.status, headers=reply_headers, body=to_openai_error(resp.status, raw))
+        if "retry-after" in whole.headers:
+            reply_headers["retry-after"] = whole.headers["retry-after"]
+        if whole.status >= 300:
+            return UpstreamReply(status=whole.status, headers=reply_headers, body=to_openai_error(whole.status, raw))
         try:
             message = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -143,9 +146,9 @@ class AnthropicProvider(Provider):
             # Asked to stream but answered whole: replay it as a one-chunk stream.
             translator = StreamTranslator(model=str(body.get("model") or ""), include_usage=_wants_usage(body))
             return UpstreamReply(
-                status=resp.status, headers=_JSON_HEADERS, events=_replay_whole(message, translator)
+                status=whole.status, headers=_JSON_HEADERS, events=_replay_whole(message, translator)
             )
-        return UpstreamReply(status=resp.status, headers=reply_headers, body=orjson.dumps(answer), answer=answer)
+        return UpstreamReply(status=whole.status, headers=reply_headers, body=orjson.dumps(answer), answer=answer)
 
 
     async def messages(
@@ -172,20 +175,23 @@ class AnthropicProvider(Provider):
     ) -> UpstreamReply:
         keyed = self.keyed_headers(self._headers)
         send_headers = {**keyed, **headers} if headers else keyed
-        with map_transport_errors():
-            resp = await self._session.post(
-                url, data=orjson.dumps(body), headers=send_headers, timeout=client_timeout(timeouts, stream=stream)
-            )
-        content_type = resp.headers.get("Content-Type", "")
-        if stream and resp.status < 300 and content_type.startswith("text/event-stream"):
-            return UpstreamReply(status=resp.status, headers={"Content-Type": content_type},
-                                 events=_native_events(resp), _release=resp.release, wire="anthropic")
-        raw = await read_reply(resp, self.config.max_response_bytes)
-        reply_headers = {"Content-Type": content_type or "application/json"}
+        if stream:
+            with map_transport_errors():
+                resp = await self._session.post(
+                    url, data=orjson.dumps(body), headers=send_headers, timeout=client_timeout(timeouts, stream=True)
+                )
+            content_type = resp.headers.get("Content-Type", "")
+            if resp.status < 300 and content_type.startswith("text/event-stream"):
+                return UpstreamReply(status=resp.status, headers={"Content-Type": content_type},
+                                     events=_native_events(resp), _release=resp.release, wire="anthropic")
+            whole = await whole_answer_of(resp, self.config.max_response_bytes)
+        else:
+            whole = await self.post_whole(url, orjson.dumps(body), send_headers, timeouts)
+        reply_headers = {"Content-Type": whole.headers.get("Content-Type", "") or "application/json"}
         for name in _NATIVE_REPLY_HEADERS:
-            if name in resp.headers:
-                reply_headers[name] = resp.headers[name]
-        return UpstreamReply(status=resp.status, headers=reply_headers, body=raw, wire="anthropic")
+            if name in whole.headers:
+                reply_headers[name] = whole.headers[name]
+        return UpstreamReply(status=whole.status, headers=reply_headers, body=whole.body, wire="anthropic")
 
 
 def _native_events(resp: aiohttp.ClientResponse) -> EventStream:

@@ -22,6 +22,13 @@ import yarl
 from gateway.core.config import Deployment, ProviderConfig
 from gateway.protocols.sse import EventSplitter, EventTooLarge
 from gateway.providers.credentials import Credential
+from gateway.providers.http_client import (
+    AnswerBroken,
+    AnswerTooLarge,
+    ConnectFailed,
+    ProviderHTTP,
+    WholeAnswer,
+)
 
 __all__ = [
     "EventStream",
@@ -33,6 +40,7 @@ __all__ = [
     "UpstreamProtocolError",
     "UpstreamReply",
     "UpstreamTimeoutError",
+    "WholeAnswer",
     "IDENTITY_ENCODING",
     "TRANSPORT_FAILURES",
     "UpstreamBodyTooLarge",
@@ -47,6 +55,7 @@ __all__ = [
     "stream_chunks",
     "transport_error",
     "watched",
+    "whole_answer_of",
 ]
 
 #: Sent with every provider request. aiohttp offers ``gzip, deflate`` by default, and the
@@ -54,6 +63,10 @@ __all__ = [
 #: call still passes ``auto_decompress=True`` so an upstream (or a proxy in front of
 #: it) that compresses anyway is decoded, whole answers and streams alike.
 IDENTITY_ENCODING = {"Accept-Encoding": "identity"}
+
+#: How long a provider's idle connection is kept for the next call (as the aiohttp
+#: session's connector keeps its own).
+_KEEPALIVE_SECONDS = 30.0
 
 
 class ProviderError(Exception):
@@ -92,7 +105,7 @@ class UpstreamBodyTooLarge(UpstreamProtocolError):
 
 #: The transport failures a provider call can meet: :func:`_translated` has a ProviderError
 #: for each of them, and for nothing else.
-TRANSPORT_FAILURES = (aiohttp.ClientError, ConnectionError, TimeoutError, EventTooLarge)
+TRANSPORT_FAILURES = (aiohttp.ClientError, ConnectionError, TimeoutError, EventTooLarge, AnswerTooLarge)
 
 
 def _translated(exc: BaseException) -> ProviderError | None:
@@ -104,14 +117,16 @@ def _translated(exc: BaseException) -> ProviderError | None:
     """
     if not isinstance(exc, TRANSPORT_FAILURES):
         return None
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ClientConnectorDNSError):
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ClientConnectorDNSError | ConnectFailed):
         return UpstreamConnectError("could not connect to the provider")
     if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
         return UpstreamTimeoutError("upstream timed out")
     if isinstance(exc, EventTooLarge):
         return UpstreamProtocolError(f"upstream stream broken: {exc}")
-    if isinstance(exc, aiohttp.ClientPayloadError):
+    if isinstance(exc, aiohttp.ClientPayloadError | AnswerBroken):
         return UpstreamProtocolError("upstream body broken")
+    if isinstance(exc, AnswerTooLarge):
+        return UpstreamBodyTooLarge(str(exc))
     return UpstreamProtocolError("upstream connection failed")  # any other ClientError or ConnectionError
 
 
@@ -252,6 +267,9 @@ class Provider:
         self.idle_timeout = config.idle_timeout or request_timeout
         #: What a call gets when its route group sets no timeouts of its own.
         self.timeouts = Timeouts(config.connect_timeout, self.request_timeout, self.idle_timeout)
+        #: The connections whole answers travel over (streams go over the shared aiohttp
+        #: session, whose reader the stream relay is built around).
+        self.http = ProviderHTTP(keepalive_timeout=_KEEPALIVE_SECONDS)
 
     def for_deployment(self, deployment: Deployment) -> Provider:
         """The provider a call to ``deployment`` goes through: this one, or, for a type whose
@@ -363,8 +381,22 @@ class Provider:
                 self._keyed[name] = form.format(key)
         return self._keyed
 
+    async def post_whole(
+        self, url: str | yarl.URL, data: bytes, headers: Mapping[str, str], timeouts: Timeouts | None = None
+    ) -> WholeAnswer:
+        """POST ``data`` and read the whole answer (at most ``max_response_bytes``), with
+        the call's ``total`` and ``connect`` bounds; transport failures as ProviderErrors."""
+        bounds = timeouts or self.timeouts
+        try:
+            return await self.http.post(url, data, headers, total=bounds.total, connect=bounds.connect,
+                                        limit=self.config.max_response_bytes)
+        except TRANSPORT_FAILURES as exc:
+            raise transport_error(exc) from exc
+
     async def close(self) -> None:
-        """Release what the provider holds beyond the shared session."""
+        """Release what the provider holds beyond the shared session: its whole answers'
+        connections (subclasses holding more close that too, then call this)."""
+        await self.http.close()
 
 
 def _taken_bound(resp: aiohttp.ClientResponse) -> float | None:
@@ -881,6 +913,13 @@ async def read_reply(resp: aiohttp.ClientResponse, limit: int) -> bytes:
         raise
     resp.release()
     return raw
+
+
+async def whole_answer_of(resp: aiohttp.ClientResponse, limit: int) -> WholeAnswer:
+    """A streaming request's answer that is not a stream (an error, or a provider that
+    answered whole), read as :meth:`Provider.post_whole` reads one."""
+    raw = await read_reply(resp, limit)
+    return WholeAnswer(resp.status, resp.headers, raw)
 
 
 def json_object(raw: bytes, vendor: str) -> dict[str, Any]:

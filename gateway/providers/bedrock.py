@@ -52,11 +52,12 @@ from gateway.providers.base import (
     Timeouts,
     UpstreamProtocolError,
     UpstreamReply,
+    WholeAnswer,
     client_timeout,
     json_object,
     map_transport_errors,
-    read_reply,
     stream_chunks,
+    whole_answer_of,
 )
 from gateway.providers.credentials import RefreshedInThread
 
@@ -147,16 +148,23 @@ class BedrockProvider(Provider):
         return dict(request.headers.items())
 
     # ----------------------------------------------------------------------- calls
-    async def _post(self, url: str, payload: bytes, *, stream: bool, headers: Mapping[str, str],
-                    timeouts: Timeouts | None) -> aiohttp.ClientResponse:
+    async def _post_stream(self, url: str, payload: bytes, *, headers: Mapping[str, str],
+                           timeouts: Timeouts | None) -> aiohttp.ClientResponse:
         signed = await self._signed_headers("POST", url, payload, {
-            "Content-Type": "application/json", "Accept": _EVENT_STREAM if stream else "application/json"})
+            "Content-Type": "application/json", "Accept": _EVENT_STREAM})
         with map_transport_errors():
             return await self._session.post(
                 # encoded=True: send the path exactly as signed (yarl would decode %3A to ':').
                 yarl.URL(url, encoded=True), data=payload, headers={**headers, **signed},
-                timeout=client_timeout(timeouts or self.timeouts, stream=stream),
+                timeout=client_timeout(timeouts or self.timeouts, stream=True),
             )
+
+    async def _post_whole(self, url: str, payload: bytes, *, headers: Mapping[str, str],
+                          timeouts: Timeouts | None) -> WholeAnswer:
+        signed = await self._signed_headers("POST", url, payload, {
+            "Content-Type": "application/json", "Accept": "application/json"})
+        # encoded=True: the path goes out exactly as signed (yarl would decode %3A to ':').
+        return await self.post_whole(yarl.URL(url, encoded=True), payload, {**headers, **signed}, timeouts)
 
     async def chat(
         self,
@@ -169,20 +177,25 @@ class BedrockProvider(Provider):
         model = str(body.get("model") or "")
         payload = orjson.dumps(wire.to_converse(body))
         url = self.url(model, "converse-stream" if stream else "converse")
-        resp = await self._post(url, payload, stream=stream, headers=headers, timeouts=timeouts)
-        response_id = f"bedrock-{resp.headers.get('x-amzn-RequestId', '')}"
-        if stream and resp.status < 300:
-            if not resp.headers.get("Content-Type", "").startswith(_EVENT_STREAM):
-                resp.close()
-                raise UpstreamProtocolError("bedrock answered a stream request without an event stream")
-            translator = wire.StreamTranslator(model=model, include_usage=wants_usage(body), response_id=response_id)
-            return UpstreamReply(status=resp.status, headers=_JSON_HEADERS,
-                                 events=_translated_events(resp, translator), _release=resp.release)
-        raw = await read_reply(resp, self.config.max_response_bytes)
-        if resp.status >= 300:
-            return _error_reply(resp, raw)
+        if stream:
+            resp = await self._post_stream(url, payload, headers=headers, timeouts=timeouts)
+            response_id = f"bedrock-{resp.headers.get('x-amzn-RequestId', '')}"
+            if resp.status < 300:
+                if not resp.headers.get("Content-Type", "").startswith(_EVENT_STREAM):
+                    resp.close()
+                    raise UpstreamProtocolError("bedrock answered a stream request without an event stream")
+                translator = wire.StreamTranslator(model=model, include_usage=wants_usage(body),
+                                                   response_id=response_id)
+                return UpstreamReply(status=resp.status, headers=_JSON_HEADERS,
+                                     events=_translated_events(resp, translator), _release=resp.release)
+            whole = await whole_answer_of(resp, self.config.max_response_bytes)
+        else:
+            whole = await self._post_whole(url, payload, headers=headers, timeouts=timeouts)
+            response_id = f"bedrock-{whole.headers.get('x-amzn-RequestId', '')}"
+        if whole.status >= 300:
+            return _error_reply(whole)
         completion = _translated(lambda a: wire.to_chat_completion(a, model=model, response_id=response_id),
-                                 json_object(raw, "bedrock"))
+                                 json_object(whole.body, "bedrock"))
         return UpstreamReply(status=200, headers=_JSON_HEADERS, body=orjson.dumps(completion))
 
     async def embeddings(
@@ -199,28 +212,27 @@ class BedrockProvider(Provider):
                 if isinstance(result, BaseException):
                     raise result
                 replies.append(result)
-            for resp, raw in replies:
-                if resp.status >= 300:
-                    return _error_reply(resp, raw)
-            answers = [json_object(raw, "bedrock") for _, raw in replies]
+            for reply in replies:
+                if reply.status >= 300:
+                    return _error_reply(reply)
+            answers = [json_object(reply.body, "bedrock") for reply in replies]
             answer = _translated(lambda a: wire.from_titan_embeddings(a, body=body, model=model), answers)
         elif family == "cohere":
             request = wire.cohere_embedding_request(body)
-            resp, raw = await self._invoke(url, request, headers, timeouts)
-            if resp.status >= 300:
-                return _error_reply(resp, raw)
-            reported = resp.headers.get(_INPUT_TOKENS_HEADER, "")
+            whole = await self._invoke(url, request, headers, timeouts)
+            if whole.status >= 300:
+                return _error_reply(whole)
+            reported = whole.headers.get(_INPUT_TOKENS_HEADER, "")
             tokens = int(reported) if reported.isdigit() else sum(count_tokens(t) for t in request["texts"])
             answer = _translated(lambda a: wire.from_cohere_embeddings(a, body=body, model=model, prompt_tokens=tokens),
-                                 json_object(raw, "bedrock"))
+                                 json_object(whole.body, "bedrock"))
         else:
             raise wire.not_an_embedding_model(model)
         return UpstreamReply(status=200, headers=_JSON_HEADERS, body=orjson.dumps(answer))
 
     async def _invoke(self, url: str, request: dict[str, Any], headers: Mapping[str, str],
-                      timeouts: Timeouts | None) -> tuple[aiohttp.ClientResponse, bytes]:
-        resp = await self._post(url, orjson.dumps(request), stream=False, headers=headers, timeouts=timeouts)
-        return resp, await read_reply(resp, self.config.max_response_bytes)
+                      timeouts: Timeouts | None) -> WholeAnswer:
+        return await self._post_whole(url, orjson.dumps(request), headers=headers, timeouts=timeouts)
 
     # ----------------------------------------------------------------------- pass-through
     async def passthrough_request(
@@ -282,13 +294,13 @@ def _translated(translate: Callable[[Any], Any], answer: Any) -> Any:
         raise UpstreamProtocolError(f"bedrock answered a broken body: {exc}") from None
 
 
-def _error_reply(resp: aiohttp.ClientResponse, raw: bytes) -> UpstreamReply:
+def _error_reply(answer: WholeAnswer) -> UpstreamReply:
     """Bedrock's error answer in the OpenAI shape, its status and ``retry-after`` kept."""
     headers = dict(_JSON_HEADERS)
-    if "retry-after" in resp.headers:
-        headers["retry-after"] = resp.headers["retry-after"]
-    return UpstreamReply(status=resp.status, headers=headers,
-                         body=wire.to_openai_error(resp.status, raw, resp.headers.get("x-amzn-ErrorType")))
+    if "retry-after" in answer.headers:
+        headers["retry-after"] = answer.headers["retry-after"]
+    return UpstreamReply(status=answer.status, headers=headers,
+                         body=wire.to_openai_error(answer.status, answer.body, answer.headers.get("x-amzn-ErrorType")))
 
 
 async def _translated_events(resp: aiohttp.ClientResponse, translator: wire.StreamTranslator) -> AsyncIterator[bytes]:

@@ -30,11 +30,12 @@ from gateway.providers.base import (
     Timeouts,
     UpstreamProtocolError,
     UpstreamReply,
+    WholeAnswer,
     client_timeout,
     json_object,
     map_transport_errors,
-    read_reply,
     stream_chunks,
+    whole_answer_of,
 )
 
 __all__ = ["GeminiProvider", "google_error_reply", "translated"]
@@ -77,16 +78,21 @@ class GeminiProvider(Provider):
         """The headers every call sends, credential included (the API key here)."""
         return self.keyed_headers(self._headers)
 
-    async def _post(
-        self, url: str, payload: dict[str, Any], *, stream: bool, headers: Mapping[str, str],
-        timeouts: Timeouts | None,
+    async def _post_stream(
+        self, url: str, payload: dict[str, Any], *, headers: Mapping[str, str], timeouts: Timeouts | None,
     ) -> aiohttp.ClientResponse:
         keyed = await self.auth_headers()
         with map_transport_errors():
             return await self._session.post(
                 url, data=orjson.dumps(payload), headers={**keyed, **headers} if headers else keyed,
-                timeout=client_timeout(timeouts or self.timeouts, stream=stream),
+                timeout=client_timeout(timeouts or self.timeouts, stream=True),
             )
+
+    async def _post_whole(
+        self, url: str, payload: dict[str, Any], *, headers: Mapping[str, str], timeouts: Timeouts | None,
+    ) -> WholeAnswer:
+        keyed = await self.auth_headers()
+        return await self.post_whole(url, orjson.dumps(payload), {**keyed, **headers} if headers else keyed, timeouts)
 
     async def chat(
         self,
@@ -99,17 +105,20 @@ class GeminiProvider(Provider):
         model = str(body.get("model") or "")
         payload = wire.to_generate_content(body)
         method = "streamGenerateContent?alt=sse" if stream else "generateContent"
-        resp = await self._post(self.url(model, method), payload, stream=stream, headers=headers, timeouts=timeouts)
-        if stream and resp.status < 300:
-            try:
-                return await self._stream_reply(resp, model, wants_usage(body))
-            except BaseException:
-                resp.close()
-                raise
-        raw = await read_reply(resp, self.config.max_response_bytes)
-        if resp.status >= 300:
-            return google_error_reply(resp.status, raw)
-        answer = json_object(raw, "gemini")
+        if stream:
+            resp = await self._post_stream(self.url(model, method), payload, headers=headers, timeouts=timeouts)
+            if resp.status < 300:
+                try:
+                    return await self._stream_reply(resp, model, wants_usage(body))
+                except BaseException:
+                    resp.close()
+                    raise
+            whole = await whole_answer_of(resp, self.config.max_response_bytes)
+        else:
+            whole = await self._post_whole(self.url(model, method), payload, headers=headers, timeouts=timeouts)
+        if whole.status >= 300:
+            return google_error_reply(whole.status, whole.body)
+        answer = json_object(whole.body, "gemini")
         block = wire.safety_block(answer)
         if block is not None:
             return UpstreamReply(status=400, headers=_JSON_HEADERS, body=block.openai_error())
@@ -145,13 +154,12 @@ class GeminiProvider(Provider):
         # One string: embedContent; a list: batchEmbedContents, one request per input.
         single = isinstance(body.get("input"), str)
         method, payload = ("embedContent", requests[0]) if single else ("batchEmbedContents", {"requests": requests})
-        resp = await self._post(self.url(model, method), payload, stream=False, headers=headers, timeouts=timeouts)
-        raw = await read_reply(resp, self.config.max_response_bytes)
-        if resp.status >= 300:
-            return google_error_reply(resp.status, raw)
+        whole = await self._post_whole(self.url(model, method), payload, headers=headers, timeouts=timeouts)
+        if whole.status >= 300:
+            return google_error_reply(whole.status, whole.body)
         estimate = sum(count_tokens(r["content"]["parts"][0]["text"]) for r in requests)
         answer = translated(lambda a: wire.to_embeddings_answer(a, body=body, model=model, prompt_tokens=estimate),
-                            json_object(raw, "gemini"))
+                            json_object(whole.body, "gemini"))
         return UpstreamReply(status=200, headers=_JSON_HEADERS, body=orjson.dumps(answer))
 
 

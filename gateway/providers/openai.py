@@ -50,7 +50,6 @@ class OpenAIProvider(Provider):
         self._headers: dict[str, str] = {
             "Content-Type": "application/json", **IDENTITY_ENCODING, **dict(config.headers)
         }
-        self._whole_timeout = client_timeout(self.timeouts, stream=False)
         self._stream_timeout = client_timeout(self.timeouts, stream=True)
         self._address = urlsplit(config.base_url).hostname
 
@@ -99,12 +98,17 @@ class OpenAIProvider(Provider):
     ) -> UpstreamReply:
         keyed = self.keyed_headers(self._headers)
         send_headers = {**keyed, **headers} if headers else keyed
+        if not stream:
+            whole = await self.post_whole(url, data, send_headers, timeouts)
+            answer = (_checked_whole_answer(whole.body, whole.headers.get("Content-Type", ""), stream=False)
+                      if whole.status < 300 else None)
+            return UpstreamReply(status=whole.status, headers=whole.headers, body=whole.body, answer=answer)
         if timeouts is None or timeouts is self.timeouts:
             # Dispatch passes the provider's own timeouts unless the route group sets its
             # own: aiohttp's timeout for them is built once, not per call (0.7 µs).
-            timeout = self._stream_timeout if stream else self._whole_timeout
+            timeout = self._stream_timeout
         else:
-            timeout = client_timeout(timeouts, stream=stream)
+            timeout = client_timeout(timeouts, stream=True)
         try:
             resp = await self._session.post(
                 url, data=data, headers=send_headers, timeout=timeout, auto_decompress=True
@@ -112,10 +116,10 @@ class OpenAIProvider(Provider):
         except TRANSPORT_FAILURES as exc:  # map_transport_errors(), without its two calls
             raise transport_error(exc) from exc
         content_type = resp.headers.get("Content-Type", "")
-        if stream and resp.status < 300 and content_type.startswith("text/event-stream"):
+        if resp.status < 300 and content_type.startswith("text/event-stream"):
             return UpstreamReply(status=resp.status, headers=resp.headers, events=_events(resp), _release=resp.release)
         payload = await read_reply(resp, self.config.max_response_bytes)
-        answer = _checked_whole_answer(payload, content_type, stream=stream) if resp.status < 300 else None
+        answer = _checked_whole_answer(payload, content_type, stream=True) if resp.status < 300 else None
         return UpstreamReply(status=resp.status, headers=resp.headers, body=payload, answer=answer)
 
 

@@ -44,7 +44,7 @@ from gateway.providers.base import (
     UpstreamProtocolError,
     UpstreamReply,
     json_object,
-    read_reply,
+    whole_answer_of,
 )
 from gateway.providers.credentials import RefreshedInThread
 from gateway.providers.gemini import GeminiProvider, google_error_reply, translated
@@ -141,15 +141,18 @@ class VertexProvider(GeminiProvider):
         payload.pop("model", None)
         payload["anthropic_version"] = VERTEX_ANTHROPIC_VERSION
         url = self.url(model, "streamRawPredict" if stream else "rawPredict")
-        resp = await self._post(url, payload, stream=stream, headers=headers, timeouts=timeouts)
-        if stream and resp.status < 300 and resp.headers.get("Content-Type", "").startswith("text/event-stream"):
-            translator = anthropic.StreamTranslator(model=model, include_usage=wants_usage(body))
-            return UpstreamReply(status=resp.status, headers=_JSON_HEADERS,
-                                 events=_anthropic_events(resp, translator), _release=resp.release)
-        raw = await read_reply(resp, self.config.max_response_bytes)
-        if resp.status >= 300:
-            return google_error_reply(resp.status, raw, _error_body)
-        message = json_object(raw, "vertex")
+        if stream:
+            resp = await self._post_stream(url, payload, headers=headers, timeouts=timeouts)
+            if resp.status < 300 and resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                translator = anthropic.StreamTranslator(model=model, include_usage=wants_usage(body))
+                return UpstreamReply(status=resp.status, headers=_JSON_HEADERS,
+                                     events=_anthropic_events(resp, translator), _release=resp.release)
+            whole = await whole_answer_of(resp, self.config.max_response_bytes)
+        else:
+            whole = await self._post_whole(url, payload, headers=headers, timeouts=timeouts)
+        if whole.status >= 300:
+            return google_error_reply(whole.status, whole.body, _error_body)
+        message = json_object(whole.body, "vertex")
         if message.get("type") != "message":
             raise UpstreamProtocolError("vertex answered something other than an Anthropic message")
         if stream:
@@ -162,12 +165,11 @@ class VertexProvider(GeminiProvider):
         """Text embedding models (``text-embedding-005``, ``gemini-embedding-001``, ...) at ``:predict``."""
         model = str(body.get("model") or "").removeprefix("models/")
         payload = gemini_wire.predict_embeddings_request(body)
-        resp = await self._post(self.url(model, "predict"), payload, stream=False, headers=headers, timeouts=timeouts)
-        raw = await read_reply(resp, self.config.max_response_bytes)
-        if resp.status >= 300:
-            return google_error_reply(resp.status, raw)
+        whole = await self._post_whole(self.url(model, "predict"), payload, headers=headers, timeouts=timeouts)
+        if whole.status >= 300:
+            return google_error_reply(whole.status, whole.body)
         answer = translated(lambda a: gemini_wire.from_predict_embeddings(a, body=body, model=model),
-                            json_object(raw, "vertex"))
+                            json_object(whole.body, "vertex"))
         return UpstreamReply(status=200, headers=_JSON_HEADERS, body=orjson.dumps(answer))
 
     async def auth_headers(self) -> Mapping[str, str]:
