@@ -94,6 +94,15 @@ def test_the_body_write_measure_times_both_ways_of_writing_an_event() -> None:
         main(["--events", "0"])
 
 
+def test_the_provider_client_measure_times_both_clients_of_a_whole_call() -> None:
+    from bench.provider_client import main, measure
+
+    figures = measure(calls=20, concurrency=4, rounds=1)
+    assert set(figures) == {"aiohttp", "ProviderHTTP"} and all(v > 0 for v in figures.values())
+    with pytest.raises(SystemExit):
+        main(["--calls", "0"])
+
+
 async def test_server_cpu_alternates_variants_and_refuses_what_is_not_a_tree(
     pg_admin_dsn: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
