@@ -496,3 +496,46 @@ async def test_a_timer_due_as_the_answer_ends_leaves_the_next_call_on_the_connec
     connection.time_out(stale)
     assert (await second).body == first.body == b"ok"
     assert client.open_connections == 1
+
+
+async def test_a_host_is_looked_up_once_per_ttl_and_again_after_a_failed_connect(
+    echo: tuple[Echo, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, base = echo
+    port = int(base.rsplit(":", 1)[1])
+    loop = asyncio.get_running_loop()
+    lookups: list[str] = []
+    real = loop.getaddrinfo
+
+    async def counted(host: str, *args: Any, **kwargs: Any) -> Any:
+        lookups.append(host)
+        await asyncio.sleep(0.01)  # long enough for a burst to find the lookup in flight
+        return await real(host, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "getaddrinfo", counted)
+    http = ProviderHTTP(dns_ttl=0.3)
+    try:
+        url = f"http://localhost:{port}/x"
+        answers = await asyncio.gather(*(http.post(url, b"{}", {}, total=5, connect=5, limit=LIMIT) for _ in range(4)))
+        assert [a.status for a in answers] == [200] * 4 and http.open_connections == 4
+        assert lookups == ["localhost"]  # four new connections, one lookup
+        await http.post(url, b"{}", {}, total=5, connect=5, limit=LIMIT)
+        assert lookups == ["localhost"]
+        await asyncio.sleep(0.35)  # past the TTL
+        for connection in list(http._all):
+            connection.abort()  # force a new connection
+        await asyncio.sleep(0.01)
+        await http.post(url, b"{}", {}, total=5, connect=5, limit=LIMIT)
+        assert lookups == ["localhost"] * 2
+
+        # A connect that fails forgets the addresses: the next one looks the host up again.
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        dead = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        for _ in range(2):
+            with pytest.raises(ConnectFailed, match=f"localhost:{dead}"):
+                await http.post(f"http://localhost:{dead}/x", b"{}", {}, total=5, connect=5, limit=LIMIT)
+        assert lookups == ["localhost"] * 4
+    finally:
+        await http.close()

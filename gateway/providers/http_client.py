@@ -13,7 +13,9 @@ reader the stream relay is built around.
 What it does:
 
 - one connection per call, kept alive afterwards (``keepalive_timeout``) for the next
-  call to the same origin (scheme, host, port), the most recently used first;
+  call to the same origin (scheme, host, port), the most recently used first; a host's
+  addresses looked up once per ``dns_ttl`` (one lookup shared by a burst of connects),
+  and tried in turn 250 ms apart (RFC 8305);
 - the request in one write: the request line, ``Host``, the caller's headers,
   ``Content-Length`` and the body;
 - the answer whole: ``Content-Length``, chunked or (``Connection: close``) up to the
@@ -263,7 +265,8 @@ class ProviderHTTP:
     every connection it holds.
     """
 
-    def __init__(self, *, keepalive_timeout: float = 30.0, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, *, keepalive_timeout: float = 30.0, ssl_context: ssl.SSLContext | None = None,
+                 dns_ttl: float = 300.0) -> None:
         self._keepalive = keepalive_timeout
         self._ssl_context = ssl_context
         self._idle: dict[tuple[bool, str, int], list[_Connection]] = {}
@@ -271,6 +274,12 @@ class ProviderHTTP:
         self._targets: dict[Any, _Target] = {}
         self._sweep: asyncio.TimerHandle | None = None
         self._closed = False
+        #: (host, port) → (until when, addresses): a host's addresses are looked up once per
+        #: ``dns_ttl`` (as the aiohttp connector's ``ttl_dns_cache`` did), and a burst of new
+        #: connections shares one lookup in flight.
+        self._dns_ttl = dns_ttl
+        self._resolved: dict[tuple[str, int], tuple[float, list[Any]]] = {}
+        self._resolving: dict[tuple[str, int], asyncio.Task[list[Any]]] = {}
 
     @property
     def closed(self) -> bool:
@@ -363,7 +372,7 @@ class ProviderHTTP:
         sock: socket.socket | None = None
         try:
             async with asyncio.timeout(bound):
-                addresses = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_STREAM)
+                addresses = await self._addresses(target.host, target.port)
                 # Every address in turn, the next one 250 ms after the last (RFC 8305), as
                 # aiohttp's connector does: uvloop's create_connection cannot do it itself.
                 sock = await aiohappyeyeballs.start_connection(
@@ -380,6 +389,7 @@ class ProviderHTTP:
             if isinstance(exc, TimeoutError):
                 raise TimeoutError(f"connecting to {where} timed out") from None
             if isinstance(exc, OSError):  # refused, unreachable, DNS (gaierror), TLS (SSLError)
+                self._resolved.pop((target.host, target.port), None)  # the host may have moved: look again
                 raise ConnectFailed(f"cannot connect to {where}: {type(exc).__name__}: {exc}") from exc
             raise
         if self._closed:
@@ -387,6 +397,22 @@ class ProviderHTTP:
             raise RuntimeError("the provider's HTTP client is closed")
         self._all.add(connection)
         return connection
+
+    async def _addresses(self, host: str, port: int) -> list[Any]:
+        loop = asyncio.get_running_loop()
+        key = (host, port)
+        cached = self._resolved.get(key)
+        if cached is not None and cached[0] > loop.time():
+            return cached[1]
+        lookup = self._resolving.get(key)
+        if lookup is None:
+            # A task of its own, shielded: one caller giving up does not fail the others'.
+            lookup = loop.create_task(loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+            self._resolving[key] = lookup
+            lookup.add_done_callback(lambda _: self._resolving.pop(key, None))
+        addresses = await asyncio.shield(lookup)
+        self._resolved[key] = (loop.time() + self._dns_ttl, addresses)
+        return addresses
 
     def _ssl(self) -> ssl.SSLContext:
         if self._ssl_context is None:
