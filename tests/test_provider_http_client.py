@@ -539,3 +539,29 @@ async def test_a_host_is_looked_up_once_per_ttl_and_again_after_a_failed_connect
         assert lookups == ["localhost"] * 4
     finally:
         await http.close()
+
+
+async def test_headers_without_end_are_cut_off(raw_server: Any, client: ProviderHTTP) -> None:
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Long: ")
+        try:
+            for _ in range(40):  # 2.5 MiB of one header's value, never ended
+                writer.write(b"x" * 65536)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        writer.close()
+
+    base = await raw_server(endless)
+    with pytest.raises(AnswerBroken, match="headers are over"):
+        await client.post(f"{base}/x", b"{}", {}, total=5, connect=5, limit=LIMIT)
+
+
+async def test_a_large_answer_read_with_its_headers_is_not_mistaken_for_long_headers(
+    raw_server: Any, client: ProviderHTTP
+) -> None:
+    body = b"y" * (3 * 1024 * 1024)
+    base = await raw_server(_answering(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)))
+    answer = await client.post(f"{base}/x", b"{}", {}, total=5, connect=5, limit=4 * 1024 * 1024)
+    assert answer.body == body

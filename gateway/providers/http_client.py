@@ -52,6 +52,10 @@ _OWN_HEADERS = frozenset({"Host", "host", "HOST", "Content-Length", "content-len
                           "Transfer-Encoding", "transfer-encoding", "TRANSFER-ENCODING"})
 #: Distinct URLs whose parsed form is kept (a provider calls a handful: one per model at most).
 _MAX_TARGETS = 1024
+#: The most an answer's status line and headers may take, counted by the bytes received
+#: before they end (a read is at most 256 KiB, so the body read with them fits): a
+#: provider sending headers without end is cut off, not buffered.
+_MAX_HEAD_BYTES = 1024 * 1024
 _HAPPY_EYEBALLS_DELAY = 0.25  # as aiohttp's connector: try the next address after 250 ms
 
 
@@ -101,8 +105,8 @@ class _Target:
 class _Connection(asyncio.Protocol):
     """One connection: idle in its origin's pool, or reading one call's answer."""
 
-    __slots__ = ("_body", "_chunked_or_sized", "_client", "_encoding", "_headers", "_limit", "_parser",
-                 "_raw_headers", "_received", "_waiter", "idle_since", "origin", "transport")
+    __slots__ = ("_body", "_chunked_or_sized", "_client", "_encoding", "_head_received", "_headers", "_limit",
+                 "_parser", "_raw_headers", "_received", "_waiter", "idle_since", "origin", "transport")
 
     def __init__(self, client: ProviderHTTP, origin: tuple[bool, str, int]) -> None:
         self._client = client
@@ -114,6 +118,7 @@ class _Connection(asyncio.Protocol):
         self._headers: CIMultiDictProxy[str] | None = None
         self._body: list[bytes] = []
         self._received = 0
+        self._head_received = 0
         self._limit = 0
         self._encoding = ""
         self._chunked_or_sized = False
@@ -158,6 +163,11 @@ class _Connection(asyncio.Protocol):
             # so the connection's state is unknown: close it.
             self.abort()
             return
+        if self._headers is None:
+            self._head_received += len(data)
+            if self._head_received > _MAX_HEAD_BYTES:
+                self._fail(AnswerBroken(f"the answer's headers are over {_MAX_HEAD_BYTES} bytes"))
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -208,6 +218,7 @@ class _Connection(asyncio.Protocol):
             self._headers = None
             self._body = []
             self._received = 0
+            self._head_received = 0
             return
         waiter, self._waiter = self._waiter, None
         if waiter is None:
@@ -238,6 +249,7 @@ class _Connection(asyncio.Protocol):
         self._headers = None
         self._body = []
         self._received = 0
+        self._head_received = 0
         self._encoding = ""
         return answer
 
