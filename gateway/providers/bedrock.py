@@ -106,7 +106,7 @@ class BedrockProvider(Provider):
             return self
         view = self._regions.get(region)
         if view is None:
-            view = copy.copy(self)  # shares the session, the credentials and the views
+            view = copy.copy(self)  # shares the session, the whole answers' client, the credentials and the views
             view._in_region(region)
         return view
 
