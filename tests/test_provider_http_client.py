@@ -565,3 +565,61 @@ async def test_a_large_answer_read_with_its_headers_is_not_mistaken_for_long_hea
     base = await raw_server(_answering(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)))
     answer = await client.post(f"{base}/x", b"{}", {}, total=5, connect=5, limit=4 * 1024 * 1024)
     assert answer.body == body
+
+
+async def test_a_compressed_answer_declared_over_the_limit_fails_before_it_is_read(
+    raw_server: Any, client: ProviderHTTP
+) -> None:
+    """The limit bounds the bytes on the wire too: a compressed body declared longer than
+    it fails at its headers, not after it was held whole (or at the call's timeout)."""
+    async def declared_then_silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Encoding: gzip\r\nContent-Length: 10000000\r\n\r\n\x1f\x8b")
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    base = await raw_server(declared_then_silent)
+    started = time.monotonic()
+    with pytest.raises(AnswerTooLarge, match="10000000 bytes"):
+        await client.post(f"{base}/x", b"{}", {}, total=5, connect=5, limit=1000)
+    assert time.monotonic() - started < 2
+
+
+async def test_a_close_delimited_answer_that_does_not_decode_is_answer_broken(
+    raw_server: Any, client: ProviderHTTP
+) -> None:
+    base = await raw_server(_answering(
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Encoding: gzip\r\n\r\nnot gzip at all", then_close=True))
+    started = time.monotonic()
+    with pytest.raises(AnswerBroken, match="does not decode"):
+        await client.post(f"{base}/x", b"{}", {}, total=5, connect=5, limit=LIMIT)
+    assert time.monotonic() - started < 2  # failed when the connection closed, not at the timeout
+
+
+async def test_a_second_answer_nobody_asked_for_closes_the_connection(raw_server: Any, client: ProviderHTTP) -> None:
+    one = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\none"
+    two = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\ntwo"
+    base = await raw_server(_answering(one + two))
+    answer = await client.post(f"{base}/x", b"{}", {}, total=5, connect=5, limit=LIMIT)
+    assert answer.body == b"one"
+    await asyncio.sleep(0.05)
+    assert client.open_connections == 0  # its state is unknown: not kept for the next call
+
+
+async def test_bytes_on_an_idle_connection_close_it(raw_server: Any, client: ProviderHTTP) -> None:
+    async def chatty(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"unasked")  # while the connection waits in the pool
+        await writer.drain()
+        await reader.read()
+        writer.close()
+
+    base = await raw_server(chatty)
+    assert (await client.post(f"{base}/x", b"{}", {}, total=5, connect=5, limit=LIMIT)).body == b"ok"
+    assert client.open_connections == 1
+    await asyncio.sleep(0.2)
+    assert client.open_connections == 0

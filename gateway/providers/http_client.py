@@ -19,8 +19,8 @@ What it does:
 - the request in one write: the request line, ``Host``, the caller's headers,
   ``Content-Length`` and the body;
 - the answer whole: ``Content-Length``, chunked or (``Connection: close``) up to the
-  end, at most ``limit`` bytes, decoded from gzip or deflate when the server compressed it
-  (it is asked for identity, but a proxy may compress anyway);
+  end, at most ``limit`` bytes as sent and as decoded, decoded from gzip or deflate when
+  the server compressed it (it is asked for identity, but a proxy may compress anyway);
 - a ``total`` bound on the call and a ``connect`` bound on opening the connection;
 - a connection whose answer did not complete (a timeout, a broken answer, a cancelled
   call) is closed, never reused.
@@ -69,7 +69,7 @@ class AnswerBroken(ConnectionError):
 
 
 class AnswerTooLarge(Exception):
-    """The answer is over the caller's ``limit`` (declared or as read)."""
+    """The answer is over the caller's ``limit`` (declared, as read, or decoded)."""
 
 
 class WholeAnswer:
@@ -119,8 +119,8 @@ class _Connection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._received = 0
         self._head_received = 0
-        self._limit = 0
         self._encoding = ""
+        self._limit = 0
         self._chunked_or_sized = False
         self.idle_since = 0.0
 
@@ -187,8 +187,8 @@ class _Connection(asyncio.Protocol):
             # An answer without Content-Length or chunks ends where the connection does.
             try:
                 waiter.set_result(self._answer())
-            except AnswerTooLarge as too_large:
-                waiter.set_exception(too_large)
+            except (AnswerTooLarge, AnswerBroken) as failed:  # over the limit, or not decodable
+                waiter.set_exception(failed)
             return
         waiter.set_exception(AnswerBroken("the provider closed the connection before the answer ended"))
 
@@ -203,24 +203,24 @@ class _Connection(asyncio.Protocol):
         self._encoding = headers.get("Content-Encoding", "").lower()
         declared = headers.get("Content-Length")
         self._chunked_or_sized = declared is not None or "chunked" in headers.get("Transfer-Encoding", "").lower()
-        if declared is not None and not self._encoding and declared.isdigit() and int(declared) > self._limit:
+        # The limit bounds the bytes on the wire too, compressed or not: a compressed body
+        # longer than the limit does not decode to less (deflate never shrinks much data
+        # that does not compress), and it must not be held whole before that is known.
+        if declared is not None and declared.isdigit() and int(declared) > self._limit:
             raise AnswerTooLarge(f"upstream answer of {declared} bytes is over the {self._limit}-byte limit")
 
     def on_body(self, body: bytes) -> None:
         self._received += len(body)
-        if self._received > self._limit and not self._encoding:
+        if self._received > self._limit:
             raise AnswerTooLarge(f"upstream answer is over the {self._limit}-byte limit")
         self._body.append(body)
 
     def on_message_complete(self) -> None:
         if self._parser.get_status_code() < 200:
             # An interim answer (100 Continue, 103 Early Hints): the answer follows it.
-            self._headers = None
-            self._body = []
-            self._received = 0
-            self._head_received = 0
+            self._start_answer()
             return
-        waiter, self._waiter = self._waiter, None
+        waiter = self._waiter
         if waiter is None:
             # A second answer in the bytes of the first: nothing asked for it.
             self.abort()
@@ -228,11 +228,9 @@ class _Connection(asyncio.Protocol):
         try:
             answer = self._answer()
         except (AnswerTooLarge, AnswerBroken) as exc:
-            if self.transport is not None:
-                self.transport.abort()
-            if not waiter.done():
-                waiter.set_exception(exc)
+            self._fail(exc)
             return
+        self._waiter = None
         if self._parser.should_keep_alive():
             self._client.keep(self)
         elif self.transport is not None:
@@ -246,12 +244,16 @@ class _Connection(asyncio.Protocol):
         if self._encoding and self._encoding != "identity":
             body = _decoded(body, self._encoding, self._limit)
         answer = WholeAnswer(self._parser.get_status_code(), self._headers, body)
+        self._start_answer()
+        return answer
+
+    def _start_answer(self) -> None:
+        """Ready for the next answer's head (the connection is kept, or a 1xx came first)."""
         self._headers = None
         self._body = []
         self._received = 0
         self._head_received = 0
         self._encoding = ""
-        return answer
 
 
 def _decoded(body: bytes, encoding: str, limit: int) -> bytes:
