@@ -59,9 +59,9 @@ from gateway.protocols.usage_shapes import UsageSniffer
 from gateway.providers.base import (
     Provider,
     ProviderError,
-    client_timeout,
     map_transport_errors,
     stream_chunks,
+    stream_timeout,
 )
 
 __all__ = ["PASSTHROUGH_ROUTE", "passthrough"]
@@ -141,7 +141,7 @@ async def _relay(
         with map_transport_errors():
             upstream = await state.session.request(
                 request.method, url, data=raw or None, headers=headers,
-                timeout=client_timeout(provider.timeouts, stream=True),  # a stream or not: bound the silence
+                timeout=stream_timeout(provider.timeouts),  # a stream or not: bound the silence
             )
     except ProviderError as exc:
         record.outcome, record.status = "upstream_error", 502

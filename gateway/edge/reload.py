@@ -70,10 +70,9 @@ class ProviderPools:
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._sessions: dict[int, aiohttp.ClientSession] = {}
-        #: The providers built here, by id (a provider's whole answers have their own
-        #: connections, which closing the session does not close: see close_all).
-        self._built: dict[int, Provider] = {}
+        #: The providers built here and their sessions, by the provider's id: closing one
+        #: closes both (a provider's whole answers have connections of their own).
+        self._owned: dict[int, tuple[Provider, aiohttp.ClientSession]] = {}
         #: Requests in flight per generation (only generations with some, plus the current).
         self._in_flight: dict[int, int] = {}
         self.generation = 1
@@ -115,8 +114,7 @@ class ProviderPools:
         except ValueError as exc:
             asyncio.get_running_loop().create_task(session.close())
             raise ConfigError(f"providers.{name}.type: {exc}") from None
-        self._sessions[id(provider)] = session
-        self._built[id(provider)] = provider
+        self._owned[id(provider)] = (provider, session)
         return provider
 
     def retire(self, old: Mapping[str, Provider], new: Mapping[str, Provider]) -> None:
@@ -165,30 +163,29 @@ class ProviderPools:
             task.add_done_callback(self._closing.discard)
 
     async def _close(self, provider: Provider) -> None:
-        session = self._sessions.pop(id(provider), None)
-        self._built.pop(id(provider), None)
+        owned = self._owned.pop(id(provider), None)
         try:
             await provider.close()
         finally:
-            if session is not None:
-                await session.close()
+            if owned is not None:
+                await owned[1].close()
         log.info("provider %s: connection pool closed (no call of it left)", provider.name)
 
     def closed(self, provider: Provider) -> bool:
         """Whether ``provider``'s pool is closed (or was never ours)."""
-        session = self._sessions.get(id(provider))
-        return session is None or session.closed
+        owned = self._owned.get(id(provider))
+        return owned is None or owned[1].closed
 
     async def close_all(self) -> None:
         """At shutdown: every pool, retired or not."""
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
-        providers, self._built = list(self._built.values()), {}
-        for provider in providers:
-            await provider.close()
-        sessions, self._sessions = list(self._sessions.values()), {}
-        for session in sessions:
-            await session.close()
+        owned, self._owned = list(self._owned.values()), {}
+        for provider, session in owned:
+            try:
+                await provider.close()
+            finally:
+                await session.close()
 
 
 class ConfigReloader:

@@ -36,9 +36,9 @@ from gateway.providers.base import (
     Timeouts,
     UpstreamProtocolError,
     UpstreamReply,
-    client_timeout,
     fetch_model_ids,
     map_transport_errors,
+    stream_timeout,
     whole_answer_of,
 )
 
@@ -119,7 +119,7 @@ class AnthropicProvider(Provider):
                     self._messages_url,
                     data=payload,
                     headers=send_headers,
-                    timeout=client_timeout(timeouts or self.timeouts, stream=True),
+                    timeout=stream_timeout(timeouts or self.timeouts),
                     auto_decompress=True,
                 )
             if resp.status < 300 and resp.headers.get("Content-Type", "").startswith("text/event-stream"):
@@ -178,7 +178,7 @@ class AnthropicProvider(Provider):
         if stream:
             with map_transport_errors():
                 resp = await self._session.post(
-                    url, data=orjson.dumps(body), headers=send_headers, timeout=client_timeout(timeouts, stream=True)
+                    url, data=orjson.dumps(body), headers=send_headers, timeout=stream_timeout(timeouts)
                 )
             content_type = resp.headers.get("Content-Type", "")
             if resp.status < 300 and content_type.startswith("text/event-stream"):

@@ -45,7 +45,6 @@ __all__ = [
     "TRANSPORT_FAILURES",
     "UpstreamBodyTooLarge",
     "UpstreamCredentialRejected",
-    "client_timeout",
     "error_detail",
     "fetch_model_ids",
     "json_object",
@@ -53,6 +52,7 @@ __all__ = [
     "read_reply",
     "read_whole",
     "stream_chunks",
+    "stream_timeout",
     "transport_error",
     "watched",
     "whole_answer_of",
@@ -933,12 +933,10 @@ def json_object(raw: bytes, vendor: str) -> dict[str, Any]:
     return answer
 
 
-def client_timeout(timeouts: Timeouts, *, stream: bool) -> aiohttp.ClientTimeout:
-    """aiohttp's timeout for one call: a whole answer has a total, a stream an idle bound."""
-    if stream:
-        # A stream may last long; what must stay short is the silence between chunks.
-        return aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect, sock_read=timeouts.idle)
-    return aiohttp.ClientTimeout(total=timeouts.total, sock_connect=timeouts.connect)
+def stream_timeout(timeouts: Timeouts) -> aiohttp.ClientTimeout:
+    """aiohttp's timeout for a stream (whole answers go over :class:`ProviderHTTP`, with
+    ``total``): a stream may last long; what must stay short is the silence between chunks."""
+    return aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect, sock_read=timeouts.idle)
 
 
 #: A model list is a convenience: never wait long for it.

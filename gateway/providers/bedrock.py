@@ -53,10 +53,10 @@ from gateway.providers.base import (
     UpstreamProtocolError,
     UpstreamReply,
     WholeAnswer,
-    client_timeout,
     json_object,
     map_transport_errors,
     stream_chunks,
+    stream_timeout,
     whole_answer_of,
 )
 from gateway.providers.credentials import RefreshedInThread
@@ -156,7 +156,7 @@ class BedrockProvider(Provider):
             return await self._session.post(
                 # encoded=True: send the path exactly as signed (yarl would decode %3A to ':').
                 yarl.URL(url, encoded=True), data=payload, headers={**headers, **signed},
-                timeout=client_timeout(timeouts or self.timeouts, stream=True),
+                timeout=stream_timeout(timeouts or self.timeouts),
             )
 
     async def _post_whole(self, url: str, payload: bytes, *, headers: Mapping[str, str],

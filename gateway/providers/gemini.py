@@ -31,10 +31,10 @@ from gateway.providers.base import (
     UpstreamProtocolError,
     UpstreamReply,
     WholeAnswer,
-    client_timeout,
     json_object,
     map_transport_errors,
     stream_chunks,
+    stream_timeout,
     whole_answer_of,
 )
 
@@ -85,7 +85,7 @@ class GeminiProvider(Provider):
         with map_transport_errors():
             return await self._session.post(
                 url, data=orjson.dumps(payload), headers={**keyed, **headers} if headers else keyed,
-                timeout=client_timeout(timeouts or self.timeouts, stream=True),
+                timeout=stream_timeout(timeouts or self.timeouts),
             )
 
     async def _post_whole(

@@ -22,9 +22,9 @@ from gateway.providers.base import (
     Timeouts,
     UpstreamProtocolError,
     UpstreamReply,
-    client_timeout,
     fetch_model_ids,
     read_reply,
+    stream_timeout,
     transport_error,
 )
 
@@ -50,7 +50,7 @@ class OpenAIProvider(Provider):
         self._headers: dict[str, str] = {
             "Content-Type": "application/json", **IDENTITY_ENCODING, **dict(config.headers)
         }
-        self._stream_timeout = client_timeout(self.timeouts, stream=True)
+        self._stream_timeout = stream_timeout(self.timeouts)
         self._address = urlsplit(config.base_url).hostname
 
     @property
@@ -108,7 +108,7 @@ class OpenAIProvider(Provider):
             # own: aiohttp's timeout for them is built once, not per call (0.7 µs).
             timeout = self._stream_timeout
         else:
-            timeout = client_timeout(timeouts, stream=True)
+            timeout = stream_timeout(timeouts)
         try:
             resp = await self._session.post(
                 url, data=data, headers=send_headers, timeout=timeout, auto_decompress=True
