@@ -364,9 +364,9 @@ async def test_postgres_storage_writes_the_seed_table(
 
 
 async def test_postgres_guarded_upsert_under_concurrency(db_pool: asyncpg.Pool, verified_key: Any) -> None:
-    key = await verified_key(rate_limit_requests=7, rate_limit_window_seconds=60)
+    key = await verified_key(rate_limit_requests=7, rate_limit_window_seconds=HOUR)
     windows = Windows("postgres", PostgresWindowStorage(db_pool), "fixed-window")
-    item = RateLimitItemPerSecond(7, 60)
+    item = RateLimitItemPerSecond(7, HOUR)
     oks = await asyncio.gather(*(windows.hit(item, "req", str(key.api_key_id)) for _ in range(20)))
     assert sum(oks) == 7
     count = await db_pool.fetchval(
@@ -374,7 +374,7 @@ async def test_postgres_guarded_upsert_under_concurrency(db_pool: asyncpg.Pool, 
     )
     assert count == 7
     stats = await windows.stats(item, "req", str(key.api_key_id))
-    assert stats.remaining == 0 and 0 < stats.reset_time - time.time() <= 60
+    assert stats.remaining == 0 and 0 < stats.reset_time - time.time() <= HOUR
 
 
 async def test_per_ip_guard_with_and_without_burst(limiter_factory: Any) -> None:

@@ -303,7 +303,10 @@ async def test_each_error_class_in_anthropic_shape(
 
 
 async def test_rate_limits_are_429_rate_limit_error_with_retry_after(gw: Gateway, key_factory: Any) -> None:
-    key, _ = await key_factory(rate_limit_requests=1, rate_limit_window_seconds=60)
+    # An hour's window: the memory sliding window is aligned to the clock, and two calls
+    # on either side of a minute's edge would both fit (the library floors the previous
+    # window's weighted count).
+    key, _ = await key_factory(rate_limit_requests=1, rate_limit_window_seconds=3600)
     ask: dict[str, Any] = {"model": "gpt", "max_tokens": 10, "messages": [{"role": "user", "content": "x"}]}
     raw = await sdk(gw, key).messages.with_raw_response.create(**ask)
     assert raw.headers["x-ratelimit-limit-requests"] == "1" and raw.headers["x-ratelimit-remaining-requests"] == "0"

@@ -179,7 +179,7 @@ async def test_bad_requests_limits_and_keys_in_openai_shape(gateway: Gateway, ke
         await client(gateway, "llmg_wrong_key_0000000000").responses.create(model="m", input="x")
     with pytest.raises(openai.AuthenticationError):
         await client(gateway, "llmg_wrong_key_0000000000").responses.retrieve("resp_x")
-    limited, _ = await key_factory("one a minute", rate_limit_requests=1, rate_limit_window_seconds=60)
+    limited, _ = await key_factory("one an hour", rate_limit_requests=1, rate_limit_window_seconds=3600)
     await client(gateway, limited).responses.create(model="m", input="x")
     with pytest.raises(openai.RateLimitError) as limit:
         await client(gateway, limited).responses.create(model="m", input="x")
