@@ -168,7 +168,7 @@ class ProviderConfig(_Section):
     max_retries: Annotated[StrictInt, Field(ge=0)] | None = None
     #: May a call that timed out after it was sent be sent again (it may have been billed)?
     retry_on_timeout: StrictBool = False
-    #: Largest whole (non-streaming) answer read from the provider, after decompression;
+    #: Largest whole (non-streaming) answer read from the provider, as sent and after decompression;
     #: past it the call fails with 502 instead of growing memory without bound.
     max_response_bytes: Annotated[StrictInt, Field(ge=1024)] = 64 * 1024 * 1024
     headers: Annotated[tuple[tuple[str, str], ...], BeforeValidator(_header_items)] = ()
